@@ -202,7 +202,9 @@ def _convert(leaf: _Leaf, value: Any) -> Any:
             return float(value)
         return str(value)
     except (TypeError, ValueError):
-        kind = "True or False" if tp is bool else getattr(tp, "__name__", "a list of integers like 384,192")
+        kind = "True or False" if tp is bool else getattr(tp, "__name__", str(tp))
+        if typing.get_origin(tp) is list:  # `list[int].__name__` is just "list"
+            kind = "a list of integers like 384,192"
         raise DistillError(f"{leaf.flag}: expected {kind}, got {value!r}") from None
 
 

@@ -133,12 +133,13 @@ def _clean_pairs(pairs: Pairs, source: str) -> Pairs:
         if not all(isinstance(t, str) and t.strip() for t in row):
             bad += 1
             continue
-        key = (row[0], row[1])
+        row = [" ".join(t.split()) for t in row]
+        key = (row[0], row[1])  # after whitespace cleanup, as clean_texts compares texts
         if key in seen:
             duplicates += 1
             continue
         seen.add(key)
-        kept.append([" ".join(t.split()) for t in row])
+        kept.append(row)
     _report_dropped(f"phase-2 data {source!r}", bad, duplicates, len(kept))
     if not kept:
         raise DistillError(

@@ -62,7 +62,8 @@ def sts_spearman(vectors: np.ndarray, pairs: list[tuple[int, int]], scores: list
     unit = _unit(vectors)
     left, right = np.asarray(pairs).T
     cosine = (unit[left] * unit[right]).sum(axis=1)
-    return float(spearmanr(cosine, scores).statistic)
+    rho = float(spearmanr(cosine, scores).statistic)
+    return rho if np.isfinite(rho) else 0.0  # constant vectors (a degenerate model) carry no ranking
 
 
 def score(vectors: EvalVectors, eval_set: EvalSet, teacher: EvalVectors | None = None) -> dict[str, float]:

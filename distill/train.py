@@ -76,6 +76,10 @@ class TeacherVectors:
 def make_accelerator(config: Config) -> Accelerator:
     if config.training.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise DistillError("mixed_precision fp16 needs a CUDA GPU; use bf16 or no on a CPU")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+        # Launched as several processes on a machine without CUDA: without this, accelerate (1.x) makes each
+        # process train alone; with it they form one gloo group (DistributedType.MULTI_CPU).
+        os.environ["ACCELERATE_USE_CPU"] = "true"
     return Accelerator(
         mixed_precision=config.training.mixed_precision,
         gradient_accumulation_steps=config.training.gradient_accumulation_steps,

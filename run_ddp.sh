@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Distill on NUM_GPUS processes: ./run_ddp.sh NUM_GPUS USE_PROJECTION [more distill flags]
+#   ./run_ddp.sh 8 True      8 GPUs, projection mode
+#   ./run_ddp.sh 8 False     8 GPUs, Matryoshka (MRL) mode
+# Without CUDA it runs NUM_GPUS CPU processes over gloo: that checks the distributed path, it is no faster.
+set -euo pipefail
+
+usage() {
+    echo "usage: $0 NUM_GPUS USE_PROJECTION [distill flags...], e.g. $0 8 True (USE_PROJECTION: True or False)" >&2
+    exit 2
+}
+[[ $# -ge 2 ]] || usage
+num_gpus="$1"
+use_projection="$2"
+shift 2
+if ! [[ "$num_gpus" =~ ^[1-9][0-9]*$ ]]; then
+    echo "error: NUM_GPUS must be a positive integer, got '$num_gpus'" >&2
+    usage
+fi
+case "$use_projection" in
+    True | true | 1) use_projection=True ;;
+    False | false | 0) use_projection=False ;;
+    *)
+        echo "error: USE_PROJECTION must be True or False, got '$use_projection'" >&2
+        usage
+        ;;
+esac
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+python="${PYTHON:-}"
+if [[ -z "$python" ]]; then
+    if [[ -x "$here/.venv/bin/python" ]]; then python="$here/.venv/bin/python"; else python="python3"; fi
+fi
+
+gpus="$("$python" -c 'import torch; print(torch.cuda.device_count())')"
+launch=(-m accelerate.commands.launch --num_machines 1 --num_processes "$num_gpus")
+if ((gpus > 0)); then
+    if ((num_gpus > gpus)); then
+        echo "error: asked for $num_gpus GPUs but $gpus are visible; pass at most $gpus or set CUDA_VISIBLE_DEVICES" >&2
+        exit 2
+    fi
+    launch+=(--mixed_precision bf16)
+else
+    echo "note: no CUDA GPU found: running $num_gpus CPU process(es) over gloo; this brings no speed-up" >&2
+    export ACCELERATE_USE_CPU=true
+fi
+if ((num_gpus > 1)); then launch+=(--multi_gpu); fi
+
+exec "$python" "${launch[@]}" -m distill.train --use_projection "$use_projection" "$@"

@@ -1,0 +1,123 @@
+"""Tiny offline fixtures: random-init BERT SentenceTransformers built once per session, and small data files."""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+WORDS = (
+    "the a of and to in is was for on that with as by at from his her it an were are which this be or "
+    "has had not but their one its first new after who they have two been year city time more other "
+    "query passage river music king war state film team game church school world water light stone"
+).split()
+
+
+def build_tiny_model(folder: Path, hidden: int, layers: int, seed: int) -> Path:
+    """A random-init BERT SentenceTransformer (mean pooling + Normalize), dropout off, saved to `folder`."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = folder / "hf"
+    raw.mkdir(exist_ok=True)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *string.ascii_lowercase, *string.digits, *".,!?'-"]
+    vocab += [f"##{c}" for c in string.ascii_lowercase + string.digits] + WORDS
+    (raw / "vocab.txt").write_text("\n".join(dict.fromkeys(vocab)) + "\n")
+    tokenizer = BertTokenizerFast(vocab_file=str(raw / "vocab.txt"), do_lower_case=True)
+    tokenizer.save_pretrained(raw)
+    config = BertConfig(
+        vocab_size=len(dict.fromkeys(vocab)),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=128,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(seed)
+    BertModel(config).save_pretrained(raw)
+    transformer = Transformer(str(raw), max_seq_length=64)
+    pooling = Pooling(transformer.get_word_embedding_dimension(), "mean")
+    SentenceTransformer(modules=[transformer, pooling, Normalize()], device="cpu").save(
+        str(folder / "st"), create_model_card=False
+    )
+    return folder / "st"
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """{'teacher': 48-d 2-layer, 'student': 32-d 4-layer, 'wide_student': 64-d 2-layer} model folders."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {
+        "teacher": build_tiny_model(root / "teacher", hidden=48, layers=2, seed=1),
+        "student": build_tiny_model(root / "student", hidden=32, layers=4, seed=2),
+        "wide_student": build_tiny_model(root / "wide", hidden=64, layers=2, seed=3),
+    }
+
+
+def sentences(count: int, seed: int = 0) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 14))) + "." for _ in range(count)]
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> dict[str, Path]:
+    """Phase-1 texts (.txt) and phase-2 pairs with one hard negative (.jsonl)."""
+    root = tmp_path_factory.mktemp("tiny_data")
+    texts = root / "texts.txt"
+    texts.write_text("\n".join(sentences(256, seed=1)) + "\n")
+    pairs = root / "pairs.jsonl"
+    queries, passages, negatives = sentences(160, 2), sentences(160, 3), sentences(160, 4)
+    with open(pairs, "w") as out:
+        for q, p, n in zip(queries, passages, negatives):
+            out.write(json.dumps({"query": q, "passage": p + " " + q, "negative": n}) + "\n")
+    return {"texts": texts, "pairs": pairs}
+
+
+def tiny_run_flags(tiny_models: dict[str, Path], tiny_data: dict[str, Path], out: Path, **overrides) -> list[str]:
+    """Flags for a fast end-to-end run on the tiny models and data."""
+    flags = {
+        "teacher_model": tiny_models["teacher"],
+        "student_model": tiny_models["student"],
+        "phase1_data": tiny_data["texts"],
+        "phase2_data": tiny_data["pairs"],
+        "eval_data": "auto",
+        "max_eval_queries": 16,
+        "batch_size": 8,
+        "phase1_epochs": 1,
+        "phase2_epochs": 1,
+        "phase1_lr": 1e-3,
+        "phase2_lr": 1e-3,
+        "max_seq_length": 32,
+        "output_dir": out,
+        "artifacts_dir": out / "artifacts",
+        "teacher_cache_dir": out / "cache",
+        "seed": 7,
+    }
+    flags.update(overrides)
+    argv = []
+    for key, value in flags.items():
+        argv += [f"--{key}", str(value)]
+    return argv
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Accelerate keeps process-wide singletons; reset them so each test's Accelerator starts clean."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

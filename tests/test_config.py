@@ -1,0 +1,290 @@
+"""Config resolution: defaults < YAML (--config) < flags, error messages, validation, round trip, --help."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from distill import config as config_module
+from distill.config import Config, build_config, build_parser, dump_config, load_config, to_flat_dict
+from distill.errors import DistillError
+
+
+def write_yaml(path: Path, values: dict) -> Path:
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def test_defaults_without_arguments() -> None:
+    config = load_config([])
+    assert config == Config()
+    assert config.training.batch_size == 64
+    assert config.phase1.epochs == 1 and config.phase1.lr == pytest.approx(2e-5)
+    assert config.phase2.epochs == 3 and config.phase2.lr == pytest.approx(5e-6)
+    assert config.model.use_projection is True
+    assert config.training.skip_phase1 is False
+    assert config.model.matryoshka_dims is None
+
+
+def test_yaml_overrides_defaults_and_flags_override_yaml(tmp_path: Path) -> None:
+    path = write_yaml(
+        tmp_path / "run.yaml",
+        {"batch_size": 16, "phase1_lr": 1e-4, "phase2_epochs": 5, "seed": 3, "use_projection": False},
+    )
+    from_yaml = load_config(["--config", str(path)])
+    assert from_yaml.training.batch_size == 16
+    assert from_yaml.phase1.lr == pytest.approx(1e-4)
+    assert from_yaml.phase2.epochs == 5
+    assert from_yaml.training.seed == 3
+    assert from_yaml.model.use_projection is False
+    # untouched keys keep their defaults
+    assert from_yaml.phase2.lr == pytest.approx(5e-6)
+    assert from_yaml.training.warmup_ratio == pytest.approx(0.1)
+
+    both = load_config(["--config", str(path), "--batch_size", "8", "--phase2_epochs", "2"])
+    assert both.training.batch_size == 8
+    assert both.phase2.epochs == 2
+    assert both.phase1.lr == pytest.approx(1e-4)  # from the YAML, no flag given
+    assert both.training.seed == 3
+
+    # the order of --config among the flags does not matter: flags still win
+    flags_first = load_config(["--batch_size", "8", "--config", str(path)])
+    assert flags_first.training.batch_size == 8
+
+
+def test_phase_flags_set_their_own_phase() -> None:
+    config = load_config(["--phase1_lr", "0.001", "--phase2_lr", "0.0002", "--phase1_epochs", "4"])
+    assert config.phase1.lr == pytest.approx(1e-3)
+    assert config.phase2.lr == pytest.approx(2e-4)
+    assert config.phase1.epochs == 4
+    assert config.phase2.epochs == 3
+
+
+def test_flag_with_equals_sign() -> None:
+    assert load_config(["--batch_size=12"]).training.batch_size == 12
+
+
+def test_unknown_flag_names_closest_valid_key() -> None:
+    with pytest.raises(DistillError, match=r"unknown argument '--phase1_lrr'.*did you mean 'phase1_lr'"):
+        load_config(["--phase1_lrr", "0.1"])
+    with pytest.raises(DistillError, match=r"unknown argument '--batchsize=4'; did you mean 'batch_size'"):
+        load_config(["--batchsize=4"])
+
+
+def test_unknown_flag_far_from_everything_points_to_help() -> None:
+    with pytest.raises(DistillError, match=r"unknown argument '--zzzzzzzzzzzz'.*--help"):
+        load_config(["--zzzzzzzzzzzz", "1"])
+
+
+def test_unknown_yaml_key_names_closest_valid_key(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path / "typo.yaml", {"lerning_rate": 1, "phase2_epoch": 2})
+    with pytest.raises(DistillError, match=r"unknown config key 'phase2_epoch'; did you mean 'phase2_epochs'"):
+        load_config(["--config", str(path)])
+
+
+def test_unknown_yaml_key_via_build_config() -> None:
+    with pytest.raises(DistillError, match=r"unknown config key 'teacher_modle'; did you mean 'teacher_model'"):
+        build_config({"teacher_modle": "x"})
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--batch_size", "0"], r"batch_size: expected a number greater than 0, got 0"),
+        (["--phase1_lr", "-0.001"], r"phase1_lr: expected a number greater than 0, got -0\.001"),
+        (["--phase2_epochs", "0"], r"phase2_epochs: expected a number greater than 0, got 0"),
+        (["--mixed_precision", "fp8"], r"mixed_precision: expected one of no/fp16/bf16, got 'fp8'"),
+        (["--lr_scaling", "cubic"], r"lr_scaling: expected one of none/linear/sqrt, got 'cubic'"),
+        (["--batch_size", "eight"], r"batch_size: expected int, got 'eight'"),
+        (["--seed", "1.5"], r"seed: expected int, got '1\.5'"),
+        (["--phase1_lr", "fast"], r"phase1_lr: expected float, got 'fast'"),
+        (["--skip_phase1", "maybe"], r"skip_phase1: expected True or False, got 'maybe'"),
+        (["--use_projection", "yes please"], r"use_projection: expected True or False"),
+        (["--warmup_ratio", "1.0"], r"warmup_ratio: expected a fraction in \[0, 1\)"),
+        (["--weight_decay", "-1"], r"weight_decay: expected a number >= 0"),
+        (["--student_num_layers", "0"], r"student_num_layers: expected a positive integer or nothing"),
+        (["--matryoshka_dims", "384,-2"], r"matryoshka_dims: expected positive integers"),
+        (["--matryoshka_dims", "384,big"], r"matryoshka_dims: expected a list of integers"),
+        (["--batch_size", "none"], r"batch_size: expected int, got 'none'"),
+        (["--skip_phase1", "--skip_phase2"], r"skip_phase1 and skip_phase2 are both set"),
+    ],
+)
+def test_invalid_values_are_rejected(argv: list[str], message: str) -> None:
+    with pytest.raises(DistillError, match=message):
+        load_config(argv)
+
+
+def test_null_for_a_required_value_from_yaml(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path / "c.yaml", {"batch_size": None})
+    with pytest.raises(DistillError, match=r"batch_size: expected a value, got nothing; give it a int"):
+        load_config(["--config", str(path)])
+
+
+def test_integer_valued_float_from_yaml_is_accepted(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path / "c.yaml", {"batch_size": 32.0})
+    assert load_config(["--config", str(path)]).training.batch_size == 32
+    path = write_yaml(tmp_path / "d.yaml", {"batch_size": 32.5})
+    with pytest.raises(DistillError, match=r"batch_size: expected int, got 32\.5"):
+        load_config(["--config", str(path)])
+
+
+def test_several_problems_reported_together(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path / "bad.yaml", {"batch_sise": 4, "phase2_epochs": 0})
+    argv = ["--config", str(path), "--batch_size", "0", "--phase1_lr", "-1", "--mixed_precision", "fp32"]
+    with pytest.raises(DistillError) as info:
+        load_config(argv)
+    message = str(info.value)
+    assert "\n" not in message
+    for expected in (
+        "unknown config key 'batch_sise'; did you mean 'batch_size'",
+        "batch_size: expected a number greater than 0",
+        "phase1_lr: expected a number greater than 0",
+        "phase2_epochs: expected a number greater than 0",
+        "mixed_precision: expected one of no/fp16/bf16, got 'fp32'",
+    ):
+        assert expected in message
+
+
+def test_conversion_and_validation_problems_reported_together() -> None:
+    with pytest.raises(DistillError) as info:
+        load_config(["--seed", "abc", "--batch_size", "-3", "--skip_phase2", "perhaps"])
+    message = str(info.value)
+    assert "seed: expected int, got 'abc'" in message
+    assert "batch_size: expected a number greater than 0, got -3" in message
+    assert "skip_phase2: expected True or False, got 'perhaps'" in message
+
+
+def test_bool_flag_alone_means_true() -> None:
+    config = load_config(["--skip_phase1"])
+    assert config.training.skip_phase1 is True
+    assert config.training.skip_phase2 is False
+    # a bare bool flag followed by another flag does not swallow it
+    config = load_config(["--save_to_artifacts", "--batch_size", "4"])
+    assert config.output.save_to_artifacts is True
+    assert config.training.batch_size == 4
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("False", False), ("false", False), ("0", False), ("no", False), ("True", True), ("1", True), ("yes", True)],
+)
+def test_bool_flag_with_value(value: str, expected: bool) -> None:
+    assert load_config(["--use_projection", value]).model.use_projection is expected
+
+
+def test_bool_from_yaml_overridden_by_flag(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path / "c.yaml", {"use_projection": False, "trust_remote_code": True})
+    config = load_config(["--config", str(path), "--use_projection", "True"])
+    assert config.model.use_projection is True
+    assert config.model.trust_remote_code is True
+
+
+def test_matryoshka_dims_parsing(tmp_path: Path) -> None:
+    assert load_config(["--matryoshka_dims", "384,192"]).model.matryoshka_dims == [384, 192]
+    assert load_config(["--matryoshka_dims", "384"]).model.matryoshka_dims == [384]
+    assert load_config(["--matryoshka_dims", "64,32,"]).model.matryoshka_dims == [64, 32]
+    assert load_config(["--matryoshka_dims", "None"]).model.matryoshka_dims is None
+    path = write_yaml(tmp_path / "c.yaml", {"matryoshka_dims": [256, 128, 64]})
+    assert load_config(["--config", str(path)]).model.matryoshka_dims == [256, 128, 64]
+
+
+def test_optional_fields_accept_none() -> None:
+    config = load_config(["--student_num_layers", "3", "--max_seq_length", "none", "--teacher_revision", "main"])
+    assert config.model.student_num_layers == 3
+    assert config.model.max_seq_length is None
+    assert config.model.teacher_revision == "main"
+
+
+def test_dump_config_round_trips(tmp_path: Path) -> None:
+    original = load_config(
+        [
+            "--teacher_model",
+            "/models/teacher",
+            "--batch_size",
+            "12",
+            "--phase1_lr",
+            "3e-4",
+            "--phase2_epochs",
+            "7",
+            "--use_projection",
+            "False",
+            "--matryoshka_dims",
+            "64,32",
+            "--mixed_precision",
+            "bf16",
+            "--skip_phase1",
+            "--student_num_layers",
+            "2",
+            "--teacher_query_prompt",
+            "query: ",
+            "--lr_scaling",
+            "sqrt",
+            "--num_processes",
+            "2",
+        ]
+    )
+    path = tmp_path / "config.yaml"
+    dump_config(original, path)
+    # the file is flat and flag-named
+    dumped = yaml.safe_load(path.read_text())
+    assert set(dumped) == set(config_module.FLAGS)
+    assert dumped["phase1_lr"] == pytest.approx(3e-4)
+    assert dumped["matryoshka_dims"] == [64, 32]
+    reloaded = load_config(["--config", str(path)])
+    assert reloaded == original
+    assert to_flat_dict(reloaded) == to_flat_dict(original)
+
+
+def test_default_config_round_trips(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    dump_config(Config(), path)
+    assert load_config(["--config", str(path)]) == Config()
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(DistillError, match=r"config file '.*nope\.yaml' does not exist"):
+        load_config(["--config", str(missing)])
+
+
+def test_invalid_yaml_and_non_mapping(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("batch_size: [1, 2\n")
+    with pytest.raises(DistillError, match=r"is not valid YAML"):
+        load_config(["--config", str(broken)])
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- batch_size\n- 4\n")
+    with pytest.raises(DistillError, match=r"must hold a mapping of flag names"):
+        load_config(["--config", str(listing)])
+
+
+def test_empty_yaml_means_defaults(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_config(["--config", str(empty)]) == Config()
+
+
+def test_shipped_demo_config_loads() -> None:
+    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    config = load_config(["--config", str(demo)])
+    assert config.model.use_projection is False
+    assert config.model.student_num_layers == 3
+
+
+def test_help_lists_every_flag() -> None:
+    text = build_parser().format_help()
+    assert "--config" in text
+    for flag in config_module.FLAGS:
+        assert f"--{flag}" in text, flag
+
+
+def test_every_leaf_field_has_a_flag_and_help() -> None:
+    count = sum(len(dataclasses.fields(getattr(Config(), section.name))) for section in dataclasses.fields(Config))
+    assert len(config_module.FLAGS) == count  # flat names are unique across sections
+    for leaf in config_module.LEAVES:
+        assert leaf.help, leaf.flag
+        assert "{" not in leaf.flag and "{" not in leaf.help
+    assert {"phase1_lr", "phase2_lr", "phase1_epochs", "phase2_epochs"} <= set(config_module.FLAGS)

@@ -1,0 +1,357 @@
+"""Data loading and cleaning: local files, bad rows, column detection, hold-out, the embedded corpus."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from accelerate import PartialState
+
+from distill import embedded
+from distill.config import DataConfig
+from distill.data import (
+    Pairs,
+    clean_texts,
+    embedded_eval_set,
+    hold_out,
+    load_data,
+    load_pairs,
+    load_phase1_texts,
+    read_records,
+)
+from distill.errors import DistillError
+
+
+@pytest.fixture(autouse=True)
+def accelerate_state() -> Iterator[None]:
+    """distill logs through accelerate's logger, which needs an accelerate state (train.py makes one first)."""
+    fresh = not PartialState._shared_state
+    PartialState(cpu=True)
+    yield
+    if fresh:
+        PartialState._reset_state()
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def write_csv(path: Path, rows: list[dict]) -> Path:
+    with open(path, "w", newline="") as out:
+        writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def write_parquet(path: Path, rows: list[dict]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def numbered_pairs(count: int) -> list[dict]:
+    return [{"query": f"question number {i}", "passage": f"the answer to question {i} is {i * 7}"} for i in range(count)]
+
+
+# ---------------------------------------------------------------- cleaning
+
+
+def test_clean_texts_drops_bad_rows_and_duplicates() -> None:
+    raw = ["first text", "", "   ", "\n\t", None, 3, 4.5, ["a list"], "first text", "  first   text ", "second\n text"]
+    assert clean_texts(raw, "test") == ["first text", "second text"]
+
+
+def test_clean_texts_keeps_order_and_distinct_texts() -> None:
+    raw = ["c", "b", "a", "b", "c", "d"]
+    assert clean_texts(raw, "test") == ["c", "b", "a", "d"]
+    assert clean_texts([], "test") == []
+
+
+def test_clean_pairs_drops_bad_rows_duplicates_and_collapses_whitespace(tmp_path: Path) -> None:
+    rows = [
+        {"query": "good  query", "passage": "good\npassage"},
+        {"query": "", "passage": "passage without query"},
+        {"query": "query without passage", "passage": "   "},
+        {"query": None, "passage": "null query"},
+        {"query": 12, "passage": "numeric query"},
+        {"query": "good query", "passage": "good passage"},  # duplicate after whitespace cleanup
+        {"query": "good query", "passage": "another passage"},  # same query, new passage: kept
+    ]
+    pairs = load_pairs(str(write_jsonl(tmp_path / "pairs.jsonl", rows)), 100, seed=0)
+    assert pairs.queries == ["good query", "good query"]
+    assert pairs.passages == ["good passage", "another passage"]
+    assert pairs.negatives == []
+    assert len(pairs) == 2
+
+
+# ---------------------------------------------------------------- local formats
+
+
+def test_local_txt_phase1(tmp_path: Path) -> None:
+    path = tmp_path / "texts.txt"
+    path.write_text("alpha beta\ngamma  delta\n\n  \nalpha beta\nepsilon\n")
+    assert load_phase1_texts(str(path), 100) == ["alpha beta", "gamma delta", "epsilon"]
+    assert load_phase1_texts(str(path), 2) == ["alpha beta", "gamma delta"]
+
+
+def test_local_jsonl_phase1_picks_text_column(tmp_path: Path) -> None:
+    rows = [{"id": i, "sentence": f"sentence {i}", "other": "x"} for i in range(5)]
+    path = write_jsonl(tmp_path / "texts.jsonl", rows)
+    assert load_phase1_texts(str(path), 100) == [f"sentence {i}" for i in range(5)]
+
+
+def test_local_phase1_single_string_column_is_used(tmp_path: Path) -> None:
+    rows = [{"id": i, "body": f"body text {i}"} for i in range(4)]
+    path = write_jsonl(tmp_path / "texts.jsonl", rows)
+    assert load_phase1_texts(str(path), 100) == [f"body text {i}" for i in range(4)]
+
+
+def test_local_jsonl_pairs(tiny_data: dict[str, Path]) -> None:
+    pairs = load_pairs(str(tiny_data["pairs"]), 1000, seed=0)
+    assert len(pairs) == 160
+    assert all(q in p for q, p in zip(pairs.queries, pairs.passages))  # the fixture puts the query in its passage
+    assert len(pairs.negatives) == 160 and all(len(n) == 1 for n in pairs.negatives)
+
+
+def test_local_csv_pairs_with_alternative_column_names(tmp_path: Path) -> None:
+    rows = [{"question": f"what is {i}", "answer": f"{i} is a number", "score": i} for i in range(6)]
+    pairs = load_pairs(str(write_csv(tmp_path / "pairs.csv", rows)), 100, seed=0)
+    assert pairs.queries == [f"what is {i}" for i in range(6)]
+    assert pairs.passages == [f"{i} is a number" for i in range(6)]
+
+
+def test_local_parquet_pairs_and_texts(tmp_path: Path) -> None:
+    rows = [{"anchor": f"anchor {i}", "positive": f"positive {i}"} for i in range(8)]
+    path = write_parquet(tmp_path / "pairs.parquet", rows)
+    pairs = load_pairs(str(path), 100, seed=0)
+    assert pairs.queries == [f"anchor {i}" for i in range(8)]
+    assert pairs.passages == [f"positive {i}" for i in range(8)]
+    texts = write_parquet(tmp_path / "texts.parquet", [{"text": f"text {i}"} for i in range(3)])
+    assert load_phase1_texts(str(texts), 100) == ["text 0", "text 1", "text 2"]
+
+
+def test_read_records_caps_rows(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "pairs.jsonl", numbered_pairs(20))
+    assert len(read_records(str(path), 5)) == 5
+    assert len(read_records(str(path))) == 20
+    assert len(load_pairs(str(path), 7, seed=0)) == 7
+
+
+def test_missing_file_error(tmp_path: Path) -> None:
+    with pytest.raises(DistillError, match=r"data file '.*missing\.jsonl' does not exist"):
+        load_pairs(str(tmp_path / "missing.jsonl"), 10, seed=0)
+    with pytest.raises(DistillError, match=r"does not exist"):
+        load_phase1_texts("./no/such/texts.txt", 10)
+
+
+def test_wrong_extension_error(tmp_path: Path) -> None:
+    path = tmp_path / "texts.xlsx"
+    path.write_text("not a spreadsheet")
+    with pytest.raises(DistillError, match=r"unsupported extension '\.xlsx'; use one of \.jsonl, \.json, \.csv"):
+        load_phase1_texts(str(path), 10)
+
+
+def test_unreachable_hub_dataset_error() -> None:
+    with pytest.raises(DistillError, match=r"data 'nobody/no-such-dataset-xyz' could not be loaded.*'embedded'"):
+        read_records("nobody/no-such-dataset-xyz")
+
+
+def test_missing_columns_error_names_found_columns(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "pairs.jsonl", [{"foo": "a", "bar": "b"}] * 3)
+    with pytest.raises(
+        DistillError, match=r"no phase-2 query column: expected one of query, question, anchor, queries, found foo, bar"
+    ):
+        load_pairs(str(path), 10, seed=0)
+    only_query = write_jsonl(tmp_path / "queries.jsonl", [{"query": "a", "label": "b"}] * 3)
+    with pytest.raises(DistillError, match=r"no phase-2 passage column: .* found query, label"):
+        load_pairs(str(only_query), 10, seed=0)
+    numbers = write_jsonl(tmp_path / "numbers.jsonl", [{"x": 1, "y": 2}] * 3)
+    with pytest.raises(DistillError, match=r"no phase-1 text column: .* found x, y; rename the column"):
+        load_phase1_texts(str(numbers), 10)
+
+
+def test_phase1_with_nothing_usable(tmp_path: Path) -> None:
+    path = tmp_path / "blank.txt"
+    path.write_text("\n   \n\t\n")
+    with pytest.raises(DistillError, match=r"phase-1 data .* has no usable text .*--skip_phase1"):
+        load_phase1_texts(str(path), 10)
+
+
+def test_phase2_with_nothing_usable(tmp_path: Path) -> None:
+    rows = [{"query": "", "passage": "p"}, {"query": "q", "passage": None}, {"query": 3, "passage": "x"}]
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    with pytest.raises(DistillError, match=r"phase-2 data .* has no usable \(query, passage\) pair.*--skip_phase2"):
+        load_pairs(str(path), 10, seed=0)
+
+
+# ---------------------------------------------------------------- negatives
+
+
+def test_single_negative_column(tmp_path: Path) -> None:
+    rows = [{"query": f"q{i}", "passage": f"p{i}", "negative": f"n{i}"} for i in range(4)]
+    pairs = load_pairs(str(write_jsonl(tmp_path / "p.jsonl", rows)), 10, seed=0)
+    assert pairs.negatives == [["n0"], ["n1"], ["n2"], ["n3"]]
+
+
+def test_numbered_negative_columns_in_order(tmp_path: Path) -> None:
+    rows = [
+        {"query": f"q{i}", "passage": f"p{i}", "negative_2": f"second {i}", "negative_1": f"first {i}"}
+        for i in range(3)
+    ]
+    pairs = load_pairs(str(write_jsonl(tmp_path / "p.jsonl", rows)), 10, seed=0)
+    assert pairs.negatives == [[f"first {i}", f"second {i}"] for i in range(3)]
+
+
+def test_list_negatives_trimmed_to_common_count(tmp_path: Path) -> None:
+    rows = [
+        {"query": "q0", "passage": "p0", "negatives": ["a0", "b0", "c0"]},
+        {"query": "q1", "passage": "p1", "negatives": ["a1", "b1"]},
+        {"query": "q2", "passage": "p2", "negatives": ["a2", "b2", "c2", "d2"]},
+    ]
+    pairs = load_pairs(str(write_jsonl(tmp_path / "p.jsonl", rows)), 10, seed=0)
+    assert pairs.negatives == [["a0", "b0"], ["a1", "b1"], ["a2", "b2"]]
+
+
+def test_pair_with_bad_negative_is_dropped(tmp_path: Path) -> None:
+    rows = [
+        {"query": "q0", "passage": "p0", "negative": "n0"},
+        {"query": "q1", "passage": "p1", "negative": ""},
+        {"query": "q2", "passage": "p2", "negative": "n2"},
+    ]
+    pairs = load_pairs(str(write_jsonl(tmp_path / "p.jsonl", rows)), 10, seed=0)
+    assert pairs.queries == ["q0", "q2"]
+    assert pairs.negatives == [["n0"], ["n2"]]
+
+
+# ---------------------------------------------------------------- hold-out
+
+
+def make_pairs(count: int, negatives: bool = False) -> Pairs:
+    return Pairs(
+        [f"q{i}" for i in range(count)],
+        [f"p{i}" for i in range(count)],
+        [[f"n{i}"] for i in range(count)] if negatives else [],
+    )
+
+
+def test_hold_out_moves_pairs_out_of_training() -> None:
+    pairs = make_pairs(100, negatives=True)
+    train, evaluation = hold_out(pairs, 8, seed=3)
+    assert len(evaluation.queries) == 8 and len(train) == 92
+    assert not set(evaluation.queries) & set(train.queries)
+    assert not set(evaluation.corpus) & set(train.passages)
+    assert set(evaluation.queries) | set(train.queries) == set(pairs.queries)
+    # each held-out query's relevant passage is its own
+    for query, relevant in zip(evaluation.queries, evaluation.relevant):
+        assert evaluation.corpus[relevant] == "p" + query[1:]
+    # training rows stay aligned with their passages and negatives
+    for query, passage, negative in zip(train.queries, train.passages, train.negatives):
+        assert passage == "p" + query[1:] and negative == ["n" + query[1:]]
+    # deterministic for a seed, different for another
+    again, evaluation_again = hold_out(pairs, 8, seed=3)
+    assert evaluation_again.queries == evaluation.queries and again.queries == train.queries
+    _, other = hold_out(pairs, 8, seed=4)
+    assert other.queries != evaluation.queries
+
+
+def test_hold_out_takes_at_most_a_tenth() -> None:
+    train, evaluation = hold_out(make_pairs(50), 1000, seed=0)
+    assert len(evaluation.queries) == 5 and len(train) == 45
+
+
+def test_hold_out_too_few_pairs() -> None:
+    with pytest.raises(DistillError, match=r"has 9 pairs, too few to hold out evaluation queries"):
+        hold_out(make_pairs(9), 5, seed=0)
+
+
+def test_load_data_auto_eval_holds_out_local_pairs(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "pairs.jsonl", numbered_pairs(120))
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(f"text {i}" for i in range(30)))
+    config = DataConfig(
+        phase1_data=str(texts),
+        phase2_data=str(path),
+        eval_data="auto",
+        max_samples_phase1=20,
+        max_samples_phase2=100,
+        max_eval_queries=10,
+    )
+    data = load_data(config, seed=1)
+    assert len(data.phase1_texts) == 20
+    assert data.evaluation is not None
+    assert len(data.evaluation.queries) == 10
+    assert len(data.phase2) == 100
+    assert not set(data.evaluation.queries) & set(data.phase2.queries)
+    assert len(data.evaluation.sts_pairs) == 1225  # Lee STS added when gensim is installed
+
+
+def test_load_data_eval_none_and_skipped_phases(tiny_data: dict[str, Path]) -> None:
+    config = DataConfig(phase1_data=str(tiny_data["texts"]), phase2_data=str(tiny_data["pairs"]), eval_data="none")
+    data = load_data(config, seed=0, need_phase1=False)
+    assert data.phase1_texts == [] and data.evaluation is None and len(data.phase2) == 160
+    data = load_data(config, seed=0, need_phase2=False)
+    assert len(data.phase1_texts) == 256 and len(data.phase2) == 0
+
+
+def test_load_data_bad_eval_choice(tiny_data: dict[str, Path]) -> None:
+    config = DataConfig(phase1_data=str(tiny_data["texts"]), phase2_data=str(tiny_data["pairs"]), eval_data="heldout")
+    with pytest.raises(DistillError, match=r"eval_data: expected 'auto', 'embedded' or 'none', got 'heldout'"):
+        load_data(config, seed=0)
+
+
+# ---------------------------------------------------------------- embedded corpus
+
+
+def test_embedded_train_and_eval_articles_are_disjoint() -> None:
+    train, evaluation = embedded.train_articles(), embedded.eval_articles()
+    assert train and evaluation
+    train_titles, eval_titles = {a.title for a in train}, {a.title for a in evaluation}
+    assert not train_titles & eval_titles
+    assert len(train) + len(evaluation) == len(embedded.wikipedia_articles())
+    assert all(embedded.is_eval_article(a.title) for a in evaluation)
+    assert not any(embedded.is_eval_article(a.title) for a in train)
+    assert 0.05 < len(evaluation) / (len(train) + len(evaluation)) < 0.4  # about EVAL_FRACTION held out
+
+
+def test_inverse_cloze_query_not_in_its_passage() -> None:
+    queries, passages = embedded.inverse_cloze_pairs(embedded.train_articles(), seed=0)
+    assert len(queries) == len(passages) > 100
+    for query, passage in zip(queries, passages):
+        assert len(query.split()) >= 4
+        assert query not in passage
+    # deterministic per seed
+    assert embedded.inverse_cloze_pairs(embedded.train_articles(), seed=0)[0] == queries
+    assert embedded.inverse_cloze_pairs(embedded.train_articles(), seed=1)[0] != queries
+
+
+def test_lee_sts_shape() -> None:
+    documents, pairs, scores = embedded.lee_sts()
+    assert len(documents) == 50
+    assert len(pairs) == len(scores) == 1225
+    assert pairs[0] == (0, 1) and pairs[-1] == (48, 49)
+    assert all(i < j for i, j in pairs)
+    assert all(0.0 <= s <= 1.0 for s in scores)
+
+
+def test_embedded_phase_loaders() -> None:
+    texts = load_phase1_texts("embedded", 500)
+    assert len(texts) == 500 and len(set(texts)) == 500
+    pairs = load_pairs("embedded", 10, seed=0)
+    assert len(pairs) > 100 and pairs.negatives == []
+
+
+def test_embedded_eval_set_points_at_the_right_passages() -> None:
+    evaluation = embedded_eval_set(seed=2, max_queries=40)
+    queries, passages = embedded.inverse_cloze_pairs(embedded.eval_articles(), seed=2)
+    assert len(evaluation.queries) == 40
+    assert evaluation.corpus == passages
+    for query, relevant in zip(evaluation.queries, evaluation.relevant):
+        assert queries[relevant] == query
+    assert len(evaluation.sts_texts) == 50 and len(evaluation.sts_pairs) == 1225

@@ -1,0 +1,163 @@
+"""End-to-end runs: tiny models in-process, the shipped MiniLM on the embedded data, and multi-process runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from sentence_transformers import SentenceTransformer
+
+from conftest import tiny_run_flags
+from distill.train import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def results_of(out: Path) -> dict:
+    return json.loads((out / "results.json").read_text())
+
+
+def launch(args: list[str], timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
+    """Run a command from the repo root with the test environment; fail with its output if it fails."""
+    full_env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **env)
+    done = subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    return done
+
+
+def accelerate_launch(num_processes: int, flags: list[str]) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(num_processes)]
+    command += ["--num_machines", "1", "--main_process_port", "0"]
+    if num_processes > 1:
+        command.append("--multi_gpu")
+    return launch([*command, "-m", "distill.train", *flags])
+
+
+def exported_weights(out: Path) -> dict[str, torch.Tensor]:
+    weights = load_file(str(out / "artifacts" / "model" / "model.safetensors"))
+    dense = out / "artifacts" / "model" / "3_Dense" / "model.safetensors"
+    if dense.is_file():
+        weights.update({f"dense.{k}": v for k, v in load_file(str(dense)).items()})
+    return weights
+
+
+def test_tiny_run_projection_mode_end_to_end(tiny_models, tiny_data, tmp_path):
+    out = tmp_path / "run"
+    assert main(tiny_run_flags(tiny_models, tiny_data, out, save_to_artifacts=True)) == 0
+    results = results_of(out)
+    assert results["world_size"] == 1 and results["mode"] == "projection"
+    for row in ("teacher", "student_before", "after_phase1", "student_after"):
+        assert {"ndcg@10", "mrr@10"} <= set(results[row])
+    for phase in ("phase1", "phase2"):
+        stats = results["phases"][phase]
+        assert stats["train_samples"] > 0 and stats["train_seconds"] > 0 and stats["teacher_seconds"] >= 0
+        assert all(np.isfinite(stats["losses"]))
+    assert (out / "config.yaml").is_file()
+    # The exported model maps into the teacher's 48-d space; the plain student stays 32-d.
+    model = SentenceTransformer(str(out / "artifacts" / "model"), device="cpu")
+    student = SentenceTransformer(str(out / "artifacts" / "student"), device="cpu")
+    vectors = model.encode(["the king of the city", "a river"])
+    assert vectors.shape == (2, 48)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    assert student.encode(["a river"]).shape == (1, 32)
+    assert "## Evaluation" in (out / "artifacts" / "model" / "README.md").read_text()
+
+
+def test_second_run_reuses_the_teacher_cache_without_loading_the_teacher(tiny_models, tiny_data, tmp_path, monkeypatch):
+    cache = tmp_path / "shared-cache"
+    assert main(tiny_run_flags(tiny_models, tiny_data, tmp_path / "a", teacher_cache_dir=cache)) == 0
+    assert results_of(tmp_path / "a")["teacher_loaded"] is True
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+    def no_teacher(*args, **kwargs):
+        raise AssertionError("the teacher was loaded although every embedding was cached")
+
+    monkeypatch.setattr("distill.teacher.load_teacher", no_teacher)
+    assert main(tiny_run_flags(tiny_models, tiny_data, tmp_path / "b", teacher_cache_dir=cache)) == 0
+    warm = results_of(tmp_path / "b")
+    assert warm["teacher_loaded"] is False
+    assert all(p["teacher_seconds"] == 0 for p in warm["phases"].values())
+    assert warm["teacher"] == results_of(tmp_path / "a")["teacher"]
+
+
+def test_matryoshka_mode_trains_truncated_dims(tiny_models, tiny_data, tmp_path):
+    out = tmp_path / "mrl"
+    flags = tiny_run_flags(tiny_models, tiny_data, out, use_projection=False, matryoshka_dims="32,16,8")
+    assert main([*flags, "--save_to_artifacts"]) == 0
+    results = results_of(out)
+    assert results["mode"] == "matryoshka"
+    assert set(results["student_after"]["matryoshka_ndcg@10"]) == {"32", "16", "8"}
+    assert not (out / "artifacts" / "student").exists()
+    assert SentenceTransformer(str(out / "artifacts" / "model"), device="cpu").encode(["a"]).shape == (1, 32)
+
+
+def test_bad_input_prints_one_line_and_exits_2(tiny_models, tiny_data, tmp_path, capsys):
+    flags = tiny_run_flags(tiny_models, tiny_data, tmp_path / "x", phase1_data=tmp_path / "missing.jsonl")
+    assert main(flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: data file") and "does not exist" in err[0]
+    assert not (tmp_path / "x" / "results.json").exists()
+
+
+@pytest.mark.slow
+def test_shipped_minilm_on_embedded_data_gets_closer_to_the_teacher(tmp_path):
+    """The real thing, small: MiniLM-L6 teacher, its 3-layer copy, embedded Wikipedia data, Lee STS."""
+    out = tmp_path / "minilm"
+    flags = ["--config", str(REPO / "configs" / "demo.yaml"), "--output_dir", str(out), "--artifacts_dir",
+             str(out / "artifacts"), "--teacher_cache_dir", str(tmp_path / "cache"), "--max_samples_phase1", "384",
+             "--max_samples_phase2", "256", "--phase2_epochs", "1", "--max_eval_queries", "200"]
+    assert main(flags) == 0
+    results = results_of(out)
+    assert results["student_after"]["teacher_cosine"] > results["student_before"]["teacher_cosine"] + 0.05
+    assert {"ndcg@10", "sts_spearman"} <= set(results["teacher"]) and results["teacher"]["ndcg@10"] > 0.3
+    exported = SentenceTransformer(str(out / "artifacts" / "model"), device="cpu")
+    assert len(exported[0].auto_model.encoder.layer) == 3
+
+
+@pytest.mark.multiprocess
+def test_two_cpu_processes_through_accelerate_launch(tiny_models, tiny_data, tmp_path):
+    out = tmp_path / "ddp"
+    accelerate_launch(2, tiny_run_flags(tiny_models, tiny_data, out, save_to_artifacts=True))
+    results = results_of(out)
+    assert results["world_size"] == 2  # a real process group, not two lone trainings
+    assert results["phases"]["phase2"]["train_samples"] > 0
+
+
+@pytest.mark.multiprocess
+def test_two_processes_match_one_process_with_twice_the_batch(tiny_models, tiny_data, tmp_path):
+    """2 processes x batch 4 reach the weights of 1 process x batch 8, both phases, both losses."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    cache = tmp_path / "cache"
+    accelerate_launch(2, tiny_run_flags(tiny_models, tiny_data, two, batch_size=4, teacher_cache_dir=cache,
+                                        save_to_artifacts=True))
+    accelerate_launch(1, tiny_run_flags(tiny_models, tiny_data, one, batch_size=8, teacher_cache_dir=cache,
+                                        save_to_artifacts=True))
+    assert results_of(two)["world_size"] == 2 and results_of(one)["world_size"] == 1
+    weights_two, weights_one = exported_weights(two), exported_weights(one)
+    assert weights_two.keys() == weights_one.keys()
+    start = load_file(str(Path(tiny_models["student"]) / "model.safetensors"))
+    moved = max((weights_one[k] - start[k]).abs().max().item() for k in start if k in weights_one)
+    assert moved > 1e-3  # training really changed the weights, so equality below is not trivial
+    worst = max((weights_two[k] - weights_one[k]).abs().max().item() for k in weights_one)
+    assert worst <= 1e-5, f"max abs weight difference {worst}"
+
+
+@pytest.mark.multiprocess
+def test_num_processes_after_the_module_relaunches(tiny_models, tiny_data, tmp_path):
+    """`python -m distill.train --num_processes 2` must run on 2 processes, not silently on one."""
+    out = tmp_path / "relaunch"
+    done = launch([sys.executable, "-m", "distill.train", *tiny_run_flags(tiny_models, tiny_data, out),
+                   "--num_processes", "2", "--skip_phase1"])
+    assert results_of(out)["world_size"] == 2
+    assert "no CUDA GPU" in done.stderr or torch.cuda.is_available()
