@@ -137,9 +137,7 @@ class Phase2Batches:
             "queries": self.queries.features(indices),
             "passages": self.passages.features(passage_indices),
             "teacher_queries": torch.from_numpy(np.asarray(self.teacher_queries[indices], dtype=np.float32)),
-            "teacher_passages": torch.from_numpy(
-                np.asarray(self.teacher_passages[passage_indices], dtype=np.float32)
-            ),
+            "teacher_passages": torch.from_numpy(np.asarray(self.teacher_passages[passage_indices], dtype=np.float32)),
         }
 
 
@@ -170,7 +168,9 @@ def map_sharded(
     for start in range(0, len(shard), chunk_size):
         chunk = shard[start : start + chunk_size]
         vectors = torch.cat([encode_batch(chunk[b : b + batch_size]) for b in range(0, len(chunk), batch_size)])
-        vectors, indices = accelerator.gather((vectors.float().contiguous(), torch.tensor(chunk, device=vectors.device)))
+        vectors, indices = accelerator.gather(
+            (vectors.float().contiguous(), torch.tensor(chunk, device=vectors.device))
+        )
         if out is None:
             out = np.zeros((len(lengths), vectors.shape[1]), dtype=np.float32)
         out[indices.cpu().numpy()] = vectors.cpu().numpy()

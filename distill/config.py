@@ -210,7 +210,7 @@ def _convert(leaf: _Leaf, value: Any) -> Any:
 
 def _closest(name: str) -> str:
     match = difflib.get_close_matches(name, list(FLAGS), n=1, cutoff=0.5)
-    return f"; did you mean '{match[0]}'?" if match else f"; valid keys are listed by --help"
+    return f"; did you mean '{match[0]}'?" if match else "; valid keys are listed by --help"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -52,9 +52,9 @@ def split_sentences(paragraph: str) -> list[str]:
 @lru_cache(maxsize=1)
 def wikipedia_articles() -> tuple[Article, ...]:
     """The shipped Wikipedia articles, cleaned, as paragraphs of sentences."""
-    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
-
     import bz2
+
+    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
 
     articles = []
     with bz2.open(gensim_data_dir() / WIKI_DUMP, "rb") as dump:

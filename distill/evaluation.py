@@ -79,7 +79,10 @@ def score(vectors: EvalVectors, eval_set: EvalSet, teacher: EvalVectors | None =
 
 
 def encode_student(
-    accelerator, model: DistillationModel, texts: TokenizedTexts, batch_size: int  # noqa: ANN001
+    accelerator,
+    model: DistillationModel,
+    texts: TokenizedTexts,
+    batch_size: int,  # noqa: ANN001
 ) -> tuple[np.ndarray, np.ndarray]:
     """(student-space, target-space) vectors of `texts`, computed sharded across processes."""
     model.eval()

@@ -76,8 +76,17 @@ def save_atomic(sentence_transformer, target: Path, card: str) -> None:  # noqa:
 def model_card(settings: dict, table: str, dims: dict[str, int]) -> str:
     """A sentence-transformers model card: how the student was distilled and how it scores."""
     front = "\n".join(
-        ["---", "library_name: sentence-transformers", "pipeline_tag: sentence-similarity",
-         "tags:", "- sentence-transformers", "- feature-extraction", "- distillation", "---", ""]
+        [
+            "---",
+            "library_name: sentence-transformers",
+            "pipeline_tag: sentence-similarity",
+            "tags:",
+            "- sentence-transformers",
+            "- feature-extraction",
+            "- distillation",
+            "---",
+            "",
+        ]
     )
     usage = (
         "```python\nfrom sentence_transformers import SentenceTransformer\n\n"
@@ -88,6 +97,11 @@ def model_card(settings: dict, table: str, dims: dict[str, int]) -> str:
         f"Distilled with `distill` from teacher `{settings.get('teacher_model')}` into "
         f"`{settings.get('student_model')}` ({dims.get('student')}-d"
         + (f", projected to the teacher's {dims.get('output')}-d" if dims.get("output") != dims.get("student") else "")
-        + ").\n\n## Usage\n\n" + usage + "\n## Evaluation\n\n" + table + "\n\n## Training settings\n\n```json\n"
-        + json.dumps(settings, indent=2, default=str) + "\n```\n"
+        + ").\n\n## Usage\n\n"
+        + usage
+        + "\n## Evaluation\n\n"
+        + table
+        + "\n\n## Training settings\n\n```json\n"
+        + json.dumps(settings, indent=2, default=str)
+        + "\n```\n"
     )

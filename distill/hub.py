@@ -16,9 +16,9 @@ import os
 import shutil
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from distill.errors import DistillError
 
@@ -99,9 +99,7 @@ def _shipped_for(name: str) -> ShippedModel | None:
 
 def shipped_models_hint() -> str:
     """One sentence naming the models that work offline and how to install them."""
-    listed = ", ".join(
-        f"{m.hub_name} ({'installed' if m.locate() else m.install})" for m in SHIPPED
-    )
+    listed = ", ".join(f"{m.hub_name} ({'installed' if m.locate() else m.install})" for m in SHIPPED)
     return f"models usable offline: a local SentenceTransformer folder, or {listed}"
 
 
@@ -154,6 +152,27 @@ def _hub_snapshot(name: str, revision: str | None) -> str:
         raise DistillError(
             f"model {name!r} cannot be found locally or on the Hub ({type(e).__name__}); {shipped_models_hint()}"
         ) from None
+
+
+def declared_dimension(path_or_name: str) -> int | None:
+    """The embedding dimension a local SentenceTransformer folder declares, read without loading weights.
+
+    Follows modules.json: the Pooling module's dimension, overridden by any later Dense's out_features.
+    None when it cannot tell (a Hub name, an unusual module); callers then check after loading.
+    """
+    folder = Path(path_or_name)
+    modules = folder / "modules.json"
+    if not modules.is_file():
+        return None
+    dim = None
+    for module in json.loads(modules.read_text()):
+        config = read_json(folder / module.get("path", "") / "config.json")
+        kind = module.get("type", "")
+        if kind.endswith("Pooling"):
+            dim = config.get("embedding_dimension") or config.get("word_embedding_dimension") or dim
+        elif kind.endswith("Dense"):
+            dim = config.get("out_features", dim)
+    return int(dim) if dim else None
 
 
 def read_json(path: Path) -> dict:

@@ -42,8 +42,16 @@ def strip_flag(argv: list[str], flag: str) -> list[str]:
 def relaunch_command(num_processes: int, argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """The `accelerate launch` command and environment that run this module on `num_processes` processes."""
     env = dict(os.environ, **{RELAUNCHED: "1"})
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(num_processes),
-               "--num_machines", "1", "--multi_gpu"]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        str(num_processes),
+        "--num_machines",
+        "1",
+        "--multi_gpu",
+    ]
     if not torch.cuda.is_available():
         env["ACCELERATE_USE_CPU"] = "true"
     return command + ["-m", "distill.train", *strip_flag(argv, "num_processes")], env

@@ -27,6 +27,7 @@ def truncate(vectors: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _spaces(student: torch.Tensor, teacher: torch.Tensor, dims: list[int] | None):
+    teacher = teacher.detach()  # the teacher is a fixed target: no gradient ever flows into it
     if dims is None:
         return [(student, teacher)]
     return [(truncate(student, d), truncate(teacher, d)) for d in dims]

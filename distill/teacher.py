@@ -39,9 +39,7 @@ CACHE_DTYPE = np.float16
 Role = Literal["query", "document"]
 
 
-def load_teacher(
-    name: str, device: torch.device | str, revision: str | None = None, trust_remote_code: bool = False
-):  # noqa: ANN201 - SentenceTransformer, imported lazily
+def load_teacher(name: str, device: torch.device | str, revision: str | None = None, trust_remote_code: bool = False):  # noqa: ANN201 - SentenceTransformer, imported lazily
     """Load a SentenceTransformer teacher for inference; half precision on CUDA, float32 elsewhere."""
     return load_sentence_transformer(
         resolve_model(name), device, revision=revision, trust_remote_code=trust_remote_code, half=True
@@ -49,7 +47,10 @@ def load_teacher(
 
 
 def load_sentence_transformer(
-    path: str, device: torch.device | str, revision: str | None = None, trust_remote_code: bool = False,
+    path: str,
+    device: torch.device | str,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
     half: bool = False,
 ):  # noqa: ANN201
     """SentenceTransformer(path) with errors turned into one line that says how to fix them."""
@@ -70,8 +71,9 @@ def load_sentence_transformer(
             ) from None
         raise
     except OSError as e:
-        raise DistillError(f"model {path!r} could not be loaded ({str(e).splitlines()[0][:160]}); "
-                           f"{shipped_models_hint()}") from None
+        raise DistillError(
+            f"model {path!r} could not be loaded ({str(e).splitlines()[0][:160]}); {shipped_models_hint()}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,9 @@ class TeacherCache:
         if cached is not None:
             return cached
         if entry.exists():
-            logger.warning(f"teacher cache entry {entry} is incomplete or corrupt; rebuilding it", main_process_only=True)
+            logger.warning(
+                f"teacher cache entry {entry} is incomplete or corrupt; rebuilding it", main_process_only=True
+            )
         self.accelerator.wait_for_everyone()  # every rank has decided before the writer replaces anything
         started = time.perf_counter()
         vectors = self._encode_sharded(texts, role)

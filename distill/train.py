@@ -35,6 +35,7 @@ from distill.data import DistillData, Pairs, load_data
 from distill.errors import DistillError
 from distill.evaluation import EvalInputs, EvalVectors, encode_student, evaluate_student, evaluate_teacher
 from distill.export import export_models, model_card
+from distill.hub import declared_dimension, resolve_model
 from distill.launch import maybe_relaunch
 from distill.losses import LossWeights
 from distill.report import results_table, write_results
@@ -118,7 +119,9 @@ def passage_texts(pairs: Pairs) -> tuple[list[str], np.ndarray]:
 def embed_with_teacher(accelerator: Accelerator, config: Config, data: DistillData) -> TeacherVectors:
     """Stage 2: every text the run needs, through the teacher cache; the teacher is freed afterwards."""
     cache = TeacherCache(
-        accelerator, TeacherSpec.from_config(config.model, accelerator.device), config.output.teacher_cache_dir,
+        accelerator,
+        TeacherSpec.from_config(config.model, accelerator.device),
+        config.output.teacher_cache_dir,
         config.training.batch_size,
     )
     seconds = {}
@@ -148,7 +151,9 @@ def build_student(
 ) -> tuple[DistillationModel, list[int] | None]:
     """Stage 3: the student, and in projection mode a projection fitted on a sample; MRL dims otherwise."""
     student = load_student(
-        config.model.student_model, config.model.student_num_layers, config.model.max_seq_length,
+        config.model.student_model,
+        config.model.student_num_layers,
+        config.model.max_seq_length,
         config.model.trust_remote_code,
     )
     freeze_unused_parameters(student)
@@ -169,6 +174,16 @@ def build_student(
         torch.from_numpy(student_vectors), torch.from_numpy(np.asarray(targets[sample], dtype=np.float32))
     )
     return DistillationModel(student, projection), None
+
+
+def check_declared_dimensions(model_config) -> None:  # noqa: ANN001 - ModelConfig
+    """Matryoshka mode needs a teacher at least as wide as the student: check it from the folders' configs."""
+    if model_config.use_projection:
+        return
+    teacher_dim = declared_dimension(resolve_model(model_config.teacher_model))
+    student_dim = declared_dimension(resolve_model(model_config.student_model))
+    if teacher_dim and student_dim:
+        check_dimensions(student_dim, teacher_dim, use_projection=False)
 
 
 def freeze_unused_parameters(student) -> None:  # noqa: ANN001
@@ -199,8 +214,9 @@ def phase_loader(config: Config, student, data: DistillData, teacher: TeacherVec
         lengths = queries.lengths + passage_tokens.lengths[rows].sum(axis=1)
         truncated = queries.truncated + passage_tokens.truncated
     if truncated:
-        logger.warning(f"{phase}: {truncated} texts are longer than {max_length} tokens and were truncated",
-                       main_process_only=True)
+        logger.warning(
+            f"{phase}: {truncated} texts are longer than {max_length} tokens and were truncated", main_process_only=True
+        )
     if len(lengths) < global_batch:
         raise DistillError(
             f"{phase} has {len(lengths)} samples, fewer than one global batch of {global_batch} "
@@ -245,6 +261,7 @@ def run(config: Config) -> dict:
     world = accelerator.num_processes
     phases = [p for p in ("phase1", "phase2") if not getattr(config.training, f"skip_{p}")]
 
+    check_declared_dimensions(config.model)  # before any encoding: a wrong pairing fails in seconds
     data = load_data(config.data, config.training.seed, "phase1" in phases, "phase2" in phases)
     teacher = embed_with_teacher(accelerator, config, data)
     model, dims = build_student(accelerator, config, data, teacher)
@@ -275,7 +292,10 @@ def run(config: Config) -> dict:
     results["teacher_seconds_evaluation"] = round(teacher.seconds["evaluation"], 3)
     table = results_table(results) if evaluation is not None else "(no evaluation set)"
     if config.output.save_to_artifacts:
-        dims_info = {"student": model.student_dim, "output": teacher.dim if model.projection is not None else model.student_dim}
+        dims_info = {
+            "student": model.student_dim,
+            "output": teacher.dim if model.projection is not None else model.student_dim,
+        }
         card = model_card(to_flat_dict(config), table, dims_info)
         results["exported"] = export_models(accelerator, model, config.output.artifacts_dir, card)
     results["config"] = to_flat_dict(config)

@@ -57,7 +57,9 @@ def write_parquet(path: Path, rows: list[dict]) -> Path:
 
 
 def numbered_pairs(count: int) -> list[dict]:
-    return [{"query": f"question number {i}", "passage": f"the answer to question {i} is {i * 7}"} for i in range(count)]
+    return [
+        {"query": f"question number {i}", "passage": f"the answer to question {i} is {i * 7}"} for i in range(count)
+    ]
 
 
 # ---------------------------------------------------------------- cleaning
@@ -116,7 +118,8 @@ def test_local_phase1_single_string_column_is_used(tmp_path: Path) -> None:
 def test_local_jsonl_pairs(tiny_data: dict[str, Path]) -> None:
     pairs = load_pairs(str(tiny_data["pairs"]), 1000, seed=0)
     assert len(pairs) == 160
-    assert all(q in p for q, p in zip(pairs.queries, pairs.passages))  # the fixture puts the query in its passage
+    # the fixture puts each query inside its passage
+    assert all(q in p for q, p in zip(pairs.queries, pairs.passages, strict=True))
     assert len(pairs.negatives) == 160 and all(len(n) == 1 for n in pairs.negatives)
 
 
@@ -249,10 +252,10 @@ def test_hold_out_moves_pairs_out_of_training() -> None:
     assert not set(evaluation.corpus) & set(train.passages)
     assert set(evaluation.queries) | set(train.queries) == set(pairs.queries)
     # each held-out query's relevant passage is its own
-    for query, relevant in zip(evaluation.queries, evaluation.relevant):
+    for query, relevant in zip(evaluation.queries, evaluation.relevant, strict=True):
         assert evaluation.corpus[relevant] == "p" + query[1:]
     # training rows stay aligned with their passages and negatives
-    for query, passage, negative in zip(train.queries, train.passages, train.negatives):
+    for query, passage, negative in zip(train.queries, train.passages, train.negatives, strict=True):
         assert passage == "p" + query[1:] and negative == ["n" + query[1:]]
     # deterministic for a seed, different for another
     again, evaluation_again = hold_out(pairs, 8, seed=3)
@@ -323,7 +326,7 @@ def test_embedded_train_and_eval_articles_are_disjoint() -> None:
 def test_inverse_cloze_query_not_in_its_passage() -> None:
     queries, passages = embedded.inverse_cloze_pairs(embedded.train_articles(), seed=0)
     assert len(queries) == len(passages) > 100
-    for query, passage in zip(queries, passages):
+    for query, passage in zip(queries, passages, strict=True):
         assert len(query.split()) >= 4
         assert query not in passage
     # deterministic per seed
@@ -352,6 +355,6 @@ def test_embedded_eval_set_points_at_the_right_passages() -> None:
     queries, passages = embedded.inverse_cloze_pairs(embedded.eval_articles(), seed=2)
     assert len(evaluation.queries) == 40
     assert evaluation.corpus == passages
-    for query, relevant in zip(evaluation.queries, evaluation.relevant):
+    for query, relevant in zip(evaluation.queries, evaluation.relevant, strict=True):
         assert queries[relevant] == query
     assert len(evaluation.sts_texts) == 50 and len(evaluation.sts_pairs) == 1225

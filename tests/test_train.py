@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_run_flags
 from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer
 
-from conftest import tiny_run_flags
 from distill.train import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,9 +114,24 @@ def test_bad_input_prints_one_line_and_exits_2(tiny_models, tiny_data, tmp_path,
 def test_shipped_minilm_on_embedded_data_gets_closer_to_the_teacher(tmp_path):
     """The real thing, small: MiniLM-L6 teacher, its 3-layer copy, embedded Wikipedia data, Lee STS."""
     out = tmp_path / "minilm"
-    flags = ["--config", str(REPO / "configs" / "demo.yaml"), "--output_dir", str(out), "--artifacts_dir",
-             str(out / "artifacts"), "--teacher_cache_dir", str(tmp_path / "cache"), "--max_samples_phase1", "384",
-             "--max_samples_phase2", "256", "--phase2_epochs", "1", "--max_eval_queries", "200"]
+    flags = [
+        "--config",
+        str(REPO / "configs" / "demo.yaml"),
+        "--output_dir",
+        str(out),
+        "--artifacts_dir",
+        str(out / "artifacts"),
+        "--teacher_cache_dir",
+        str(tmp_path / "cache"),
+        "--max_samples_phase1",
+        "384",
+        "--max_samples_phase2",
+        "256",
+        "--phase2_epochs",
+        "1",
+        "--max_eval_queries",
+        "200",
+    ]
     assert main(flags) == 0
     results = results_of(out)
     assert results["student_after"]["teacher_cosine"] > results["student_before"]["teacher_cosine"] + 0.05
@@ -139,10 +154,12 @@ def test_two_processes_match_one_process_with_twice_the_batch(tiny_models, tiny_
     """2 processes x batch 4 reach the weights of 1 process x batch 8, both phases, both losses."""
     two, one = tmp_path / "two", tmp_path / "one"
     cache = tmp_path / "cache"
-    accelerate_launch(2, tiny_run_flags(tiny_models, tiny_data, two, batch_size=4, teacher_cache_dir=cache,
-                                        save_to_artifacts=True))
-    accelerate_launch(1, tiny_run_flags(tiny_models, tiny_data, one, batch_size=8, teacher_cache_dir=cache,
-                                        save_to_artifacts=True))
+    accelerate_launch(
+        2, tiny_run_flags(tiny_models, tiny_data, two, batch_size=4, teacher_cache_dir=cache, save_to_artifacts=True)
+    )
+    accelerate_launch(
+        1, tiny_run_flags(tiny_models, tiny_data, one, batch_size=8, teacher_cache_dir=cache, save_to_artifacts=True)
+    )
     assert results_of(two)["world_size"] == 2 and results_of(one)["world_size"] == 1
     weights_two, weights_one = exported_weights(two), exported_weights(one)
     assert weights_two.keys() == weights_one.keys()
@@ -157,7 +174,16 @@ def test_two_processes_match_one_process_with_twice_the_batch(tiny_models, tiny_
 def test_num_processes_after_the_module_relaunches(tiny_models, tiny_data, tmp_path):
     """`python -m distill.train --num_processes 2` must run on 2 processes, not silently on one."""
     out = tmp_path / "relaunch"
-    done = launch([sys.executable, "-m", "distill.train", *tiny_run_flags(tiny_models, tiny_data, out),
-                   "--num_processes", "2", "--skip_phase1"])
+    done = launch(
+        [
+            sys.executable,
+            "-m",
+            "distill.train",
+            *tiny_run_flags(tiny_models, tiny_data, out),
+            "--num_processes",
+            "2",
+            "--skip_phase1",
+        ]
+    )
     assert results_of(out)["world_size"] == 2
     assert "no CUDA GPU" in done.stderr or torch.cuda.is_available()

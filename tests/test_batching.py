@@ -1,0 +1,233 @@
+"""Tokenize-once features, the length-grouped batch sampler, the collates and sharded mapping."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, PartialState
+from conftest import sentences
+from sentence_transformers import SentenceTransformer
+
+from distill.batching import (
+    LengthGroupedBatchSampler,
+    Phase1Batches,
+    Phase2Batches,
+    TokenizedTexts,
+    make_loader,
+    map_sharded,
+)
+
+
+@pytest.fixture(scope="module")
+def student(tiny_models: dict[str, Path]) -> SentenceTransformer:
+    return SentenceTransformer(str(tiny_models["student"]), device="cpu")
+
+
+def model_features(model: SentenceTransformer, texts: list[str]) -> dict[str, torch.Tensor]:
+    features = model.preprocess(texts)
+    features.pop("modality", None)
+    return features
+
+
+def assert_same_features(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        assert ours[name].dtype == torch.long, name
+        assert torch.equal(ours[name], theirs[name].long()), name
+
+
+def texts_with_long_ones() -> list[str]:
+    long_text = " ".join(["the river music king war state film team game church school world"] * 8)
+    return [*sentences(20, seed=3), long_text, "a.", long_text + " stone", "x"]
+
+
+# ---------------------------------------------------------------- TokenizedTexts
+
+
+def test_features_equal_the_students_own_preprocessing(student: SentenceTransformer) -> None:
+    texts = texts_with_long_ones()
+    tokenized = TokenizedTexts(student.tokenizer, texts, student.max_seq_length)
+    assert len(tokenized) == len(texts)
+    assert_same_features(tokenized.features(list(range(len(texts)))), model_features(student, texts))
+    # any subset, in any order, padded to its own longest member
+    subset = [3, 0, 22, 21]
+    assert_same_features(tokenized.features(subset), model_features(student, [texts[i] for i in subset]))
+    short = [0, 1, 23]
+    features = tokenized.features(short)
+    assert features["input_ids"].shape[1] == int(tokenized.lengths[short].max())
+    assert_same_features(features, model_features(student, [texts[i] for i in short]))
+
+
+def test_truncation_matches_and_is_counted(student: SentenceTransformer) -> None:
+    texts = texts_with_long_ones()
+    original = student.max_seq_length
+    student.max_seq_length = 12
+    try:
+        tokenized = TokenizedTexts(student.tokenizer, texts, 12)
+        expected = model_features(student, texts)
+    finally:
+        student.max_seq_length = original
+    assert tokenized.lengths.max() == 12
+    full_lengths = [len(ids) for ids in student.tokenizer(texts)["input_ids"]]
+    assert tokenized.truncated == sum(length > 12 for length in full_lengths) >= 2
+    assert_same_features(tokenized.features(list(range(len(texts)))), expected)
+    # the truncated rows still end with [SEP], as the tokenizer's own truncation does
+    sep = student.tokenizer.sep_token_id
+    assert all(tokenized.features([i])["input_ids"][0, -1].item() == sep for i in range(len(texts)))
+
+
+def test_chunked_tokenization_equals_one_chunk(student: SentenceTransformer) -> None:
+    texts = texts_with_long_ones()
+    whole = TokenizedTexts(student.tokenizer, texts, 16)
+    chunked = TokenizedTexts(student.tokenizer, texts, 16, chunk_size=5)
+    assert np.array_equal(whole.lengths, chunked.lengths)
+    assert np.array_equal(whole.ids, chunked.ids)
+    assert whole.truncated == chunked.truncated
+
+
+def test_left_padding_follows_the_tokenizer(student: SentenceTransformer) -> None:
+    import copy
+
+    tokenizer = copy.deepcopy(student.tokenizer)
+    tokenizer.padding_side = "left"
+    texts = sentences(6, seed=8)
+    tokenized = TokenizedTexts(tokenizer, texts, 64)
+    expected = tokenizer(texts, padding=True, return_tensors="pt")
+    features = tokenized.features(list(range(6)))
+    assert torch.equal(features["input_ids"], expected["input_ids"])
+    assert torch.equal(features["attention_mask"], expected["attention_mask"])
+
+
+# ---------------------------------------------------------------- sampler
+
+
+def wide_lengths(count: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(mean=3.5, sigma=0.9, size=count).astype(int), 3, 512)
+
+
+def padding_fraction(batches: list[list[int]], lengths: np.ndarray) -> float:
+    fractions = [1 - lengths[b].sum() / (len(b) * lengths[b].max()) for b in batches]
+    return float(np.mean(fractions))
+
+
+def test_sampler_is_deterministic_for_seed_and_epoch() -> None:
+    lengths = wide_lengths(1000, seed=0)
+    first = list(LengthGroupedBatchSampler(lengths, 16, seed=5, megabatch_factor=8))
+    second = list(LengthGroupedBatchSampler(lengths, 16, seed=5, megabatch_factor=8))
+    assert first == second
+    sampler = LengthGroupedBatchSampler(lengths, 16, seed=5, megabatch_factor=8)
+    sampler.set_epoch(1)
+    epoch1 = list(sampler)
+    assert epoch1 != first
+    sampler.set_epoch(0)
+    assert list(sampler) == first  # the order depends on the epoch number, not on how often it was iterated
+    assert list(LengthGroupedBatchSampler(lengths, 16, seed=6, megabatch_factor=8)) != first
+
+
+@pytest.mark.parametrize(("count", "batch_size"), [(1000, 16), (1001, 16), (37, 8), (64, 64), (10, 16)])
+def test_sampler_yields_full_batches_of_distinct_indices(count: int, batch_size: int) -> None:
+    sampler = LengthGroupedBatchSampler(wide_lengths(count, seed=1), batch_size, seed=0, megabatch_factor=4)
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        batches = list(sampler)
+        assert len(batches) == len(sampler) == count // batch_size
+        assert all(len(b) == batch_size for b in batches)
+        flat = [i for b in batches for i in b]
+        assert len(set(flat)) == len(flat)
+        assert all(isinstance(i, int) and 0 <= i < count for i in flat)
+
+
+def test_sampler_groups_similar_lengths() -> None:
+    lengths = wide_lengths(4096, seed=2)
+    batches = list(LengthGroupedBatchSampler(lengths, 32, seed=0))
+    grouped = padding_fraction(batches, lengths)
+    order = np.random.default_rng(0).permutation(len(lengths))
+    random_batches = [order[i : i + 32].tolist() for i in range(0, len(order), 32)]
+    shuffled = padding_fraction(random_batches, lengths)
+    assert shuffled > 0.5
+    assert grouped < 0.1
+    assert grouped < shuffled / 5
+
+
+def test_sampler_batches_are_not_sorted_globally() -> None:
+    lengths = wide_lengths(2048, seed=3)
+    batches = list(LengthGroupedBatchSampler(lengths, 16, seed=1, megabatch_factor=4))
+    longest = [lengths[b].max() for b in batches]
+    assert longest != sorted(longest) and longest != sorted(longest, reverse=True)
+
+
+# ---------------------------------------------------------------- collates and loader
+
+
+def test_phase1_loader_batches(student: SentenceTransformer) -> None:
+    texts = sentences(40, seed=6)
+    tokenized = TokenizedTexts(student.tokenizer, texts, 32)
+    teacher = np.random.default_rng(0).standard_normal((40, 48)).astype(np.float16)
+    loader = make_loader(tokenized.lengths, 8, seed=3, collate=Phase1Batches(tokenized, teacher))
+    batches = list(loader)
+    assert len(batches) == 5
+    seen = []
+    for batch in batches:
+        assert batch["teacher"].dtype == torch.float32 and batch["teacher"].shape == (8, 48)
+        assert batch["texts"]["input_ids"].shape[0] == 8
+        # recover which rows the batch holds from the teacher vectors, and check the texts match them
+        rows = [int(np.argmin(np.abs(teacher.astype(np.float32) - v.numpy()).sum(axis=1))) for v in batch["teacher"]]
+        seen += rows
+        assert_same_features(batch["texts"], model_features(student, [texts[i] for i in rows]))
+    assert sorted(seen) == list(range(40))
+
+
+def test_phase2_collate_orders_positives_then_negatives(student: SentenceTransformer) -> None:
+    queries = [f"query {i}." for i in range(4)]
+    passages = [f"positive {i}." for i in range(4)] + [f"negative {i} {j}." for i in range(4) for j in range(2)]
+    passage_rows = np.array([[i, 4 + 2 * i, 5 + 2 * i] for i in range(4)])
+    teacher_queries = np.arange(4, dtype=np.float16)[:, None].repeat(3, axis=1)
+    teacher_passages = np.arange(12, dtype=np.float16)[:, None].repeat(3, axis=1)
+    collate = Phase2Batches(
+        TokenizedTexts(student.tokenizer, queries, 32),
+        TokenizedTexts(student.tokenizer, passages, 32),
+        passage_rows,
+        teacher_queries,
+        teacher_passages,
+    )
+    batch = collate([2, 0])
+    assert batch["teacher_queries"][:, 0].tolist() == [2.0, 0.0]
+    # positives of the batch's queries first, then each query's negatives in query order
+    expected_rows = [2, 0, 8, 9, 4, 5]
+    assert batch["teacher_passages"][:, 0].tolist() == [float(r) for r in expected_rows]
+    assert_same_features(batch["passages"], model_features(student, [passages[r] for r in expected_rows]))
+    assert_same_features(batch["queries"], model_features(student, [queries[2], queries[0]]))
+
+
+@pytest.fixture
+def accelerator() -> Iterator[Accelerator]:
+    fresh = not PartialState._shared_state
+    yield Accelerator(cpu=True)
+    if fresh:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_map_sharded_returns_rows_in_input_order(accelerator: Accelerator) -> None:
+    lengths = wide_lengths(50, seed=4)
+    calls: list[list[int]] = []
+
+    def encode(indices: list[int]) -> torch.Tensor:
+        calls.append(indices)
+        return torch.tensor([[i, 2 * i] for i in indices], dtype=torch.float64)
+
+    out = map_sharded(accelerator, lengths, 8, encode, chunk_size=16)
+    assert out.dtype == np.float32 and out.shape == (50, 2)
+    assert np.array_equal(out[:, 0], np.arange(50)) and np.array_equal(out[:, 1], 2 * np.arange(50))
+    assert all(len(c) <= 8 for c in calls)
+    assert sorted(i for c in calls for i in c) == list(range(50))
+    # longest first within each chunk of 16
+    order = [i for c in calls for i in c]
+    for start in range(0, 50, 16):
+        chunk = lengths[order[start : start + 16]]
+        assert list(chunk) == sorted(chunk, reverse=True)

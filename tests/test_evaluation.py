@@ -1,0 +1,230 @@
+"""Evaluation metrics on constructed examples, and the student evaluation against direct encoding."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, PartialState
+from conftest import sentences
+from scipy.stats import spearmanr
+from sentence_transformers import SentenceTransformer
+
+from distill.batching import TokenizedTexts
+from distill.data import EvalSet
+from distill.evaluation import (
+    EvalInputs,
+    EvalVectors,
+    evaluate_student,
+    evaluate_teacher,
+    retrieval_metrics,
+    score,
+    sts_spearman,
+    truncated,
+)
+from distill.student import DistillationModel, least_squares_projection
+
+
+def one_hot(index: int, dim: int, scale: float = 1.0) -> np.ndarray:
+    vector = np.zeros(dim)
+    vector[index] = scale
+    return vector
+
+
+def corpus_with_scores(scores: list[float]) -> tuple[np.ndarray, np.ndarray]:
+    """One query (1, 0) and a corpus whose cosine with it is exactly each score."""
+    query = np.array([[1.0, 0.0]])
+    corpus = np.array([[s, math.sqrt(1 - s * s)] for s in scores])
+    return query, corpus
+
+
+# ---------------------------------------------------------------- retrieval
+
+
+def test_perfect_ranking() -> None:
+    vectors = np.eye(5)
+    metrics = retrieval_metrics(vectors, vectors.copy(), [0, 1, 2, 3, 4])
+    assert metrics == {"ndcg@10": pytest.approx(1.0), "mrr@10": pytest.approx(1.0)}
+
+
+def test_relevant_at_rank_two() -> None:
+    query, corpus = corpus_with_scores([0.9, 0.8, 0.1, 0.5])
+    metrics = retrieval_metrics(query, corpus, [1])
+    assert metrics["ndcg@10"] == pytest.approx(1 / math.log2(3))
+    assert metrics["mrr@10"] == pytest.approx(0.5)
+
+
+def test_relevant_at_rank_five() -> None:
+    query, corpus = corpus_with_scores([0.95, 0.9, 0.85, 0.8, 0.75, 0.7])
+    metrics = retrieval_metrics(query, corpus, [4])
+    assert metrics["ndcg@10"] == pytest.approx(1 / math.log2(6))
+    assert metrics["mrr@10"] == pytest.approx(0.2)
+
+
+def test_relevant_outside_top_ten_scores_zero() -> None:
+    scores = [0.99 - 0.05 * i for i in range(15)]  # strictly decreasing
+    query, corpus = corpus_with_scores(scores)
+    assert retrieval_metrics(query, corpus, [10]) == {"ndcg@10": 0.0, "mrr@10": 0.0}
+    at_ten = retrieval_metrics(query, corpus, [9])
+    assert at_ten["ndcg@10"] == pytest.approx(1 / math.log2(11))
+    assert at_ten["mrr@10"] == pytest.approx(0.1)
+
+
+def test_metrics_average_over_queries_and_use_cosine() -> None:
+    corpus = np.array([one_hot(i, 4) for i in range(4)])
+    # query 0 hits its passage; query 1 prefers passage 3 over its own passage 2; lengths do not matter
+    queries = np.array([one_hot(0, 4, scale=7.0), [0.0, 0.0, 0.5, 0.9]])
+    metrics = retrieval_metrics(queries, corpus * 3.0, [0, 2])
+    assert metrics["ndcg@10"] == pytest.approx((1 + 1 / math.log2(3)) / 2)
+    assert metrics["mrr@10"] == pytest.approx(0.75)
+
+
+def test_fewer_passages_than_ten() -> None:
+    query, corpus = corpus_with_scores([0.2, 0.6, 0.4])
+    assert retrieval_metrics(query, corpus, [0])["mrr@10"] == pytest.approx(1 / 3)
+
+
+# ---------------------------------------------------------------- STS
+
+
+def test_sts_spearman_equals_scipy() -> None:
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((8, 5))
+    pairs = [(i, j) for i in range(8) for j in range(i + 1, 8)]
+    scores = rng.random(len(pairs)).tolist()
+    unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    cosines = [float(unit[i] @ unit[j]) for i, j in pairs]
+    expected = spearmanr(cosines, scores).statistic
+    assert sts_spearman(vectors, pairs, scores) == pytest.approx(expected, abs=1e-12)
+
+
+def test_sts_spearman_perfect_and_reversed() -> None:
+    angles = np.array([0.0, 0.3, 0.9, 1.4])
+    vectors = np.stack([np.cos(angles), np.sin(angles)], axis=1)
+    pairs = [(0, 1), (0, 2), (0, 3)]
+    assert sts_spearman(vectors, pairs, [0.9, 0.5, 0.1]) == pytest.approx(1.0)
+    assert sts_spearman(vectors, pairs, [0.1, 0.5, 0.9]) == pytest.approx(-1.0)
+
+
+@pytest.mark.filterwarnings("ignore::scipy.stats.ConstantInputWarning")
+def test_sts_spearman_of_constant_vectors_is_zero() -> None:
+    vectors = np.ones((4, 3))
+    assert sts_spearman(vectors, [(0, 1), (1, 2), (2, 3)], [0.1, 0.5, 0.9]) == 0.0
+
+
+# ---------------------------------------------------------------- score
+
+
+def test_score_adds_sts_and_teacher_cosine() -> None:
+    corpus = np.eye(3)
+    eval_set = EvalSet(
+        queries=["a", "b", "c"],
+        corpus=["x", "y", "z"],
+        relevant=[0, 1, 2],
+        sts_texts=["s", "t", "u"],
+        sts_pairs=[(0, 1), (0, 2), (1, 2)],
+        sts_scores=[0.9, 0.1, 0.5],
+    )
+    angles = np.array([0.0, 0.2, 1.2])
+    sts = np.stack([np.cos(angles), np.sin(angles)], axis=1)
+    vectors = EvalVectors(corpus.copy(), corpus.copy(), sts)
+    teacher = EvalVectors(corpus.copy(), corpus.copy(), None)
+    metrics = score(vectors, eval_set, teacher)
+    assert metrics["ndcg@10"] == pytest.approx(1.0)
+    assert metrics["teacher_cosine"] == pytest.approx(1.0)
+    assert metrics["sts_spearman"] == pytest.approx(1.0)
+    assert evaluate_teacher(
+        EvalInputs(eval_set, None, None, None, vectors)  # type: ignore[arg-type]
+    ) == {k: v for k, v in metrics.items() if k != "teacher_cosine"}
+
+    orthogonal = EvalVectors(np.roll(corpus, 1, axis=1), np.roll(corpus, 1, axis=1), None)
+    assert score(vectors, eval_set, orthogonal)["teacher_cosine"] == pytest.approx(0.0)
+    no_sts = score(EvalVectors(corpus, corpus, None), eval_set)
+    assert "sts_spearman" not in no_sts and "teacher_cosine" not in no_sts
+
+
+def test_truncated_renormalises_every_part() -> None:
+    vectors = EvalVectors(np.array([[3.0, 4.0, 5.0]]), np.array([[0.0, 2.0, 1.0]]), None)
+    cut = truncated(vectors, 2)
+    np.testing.assert_allclose(cut.queries, [[0.6, 0.8]], atol=1e-6)
+    np.testing.assert_allclose(cut.corpus, [[0.0, 1.0]], atol=1e-6)
+    assert cut.sts is None
+
+
+# ---------------------------------------------------------------- student evaluation
+
+
+@pytest.fixture
+def accelerator() -> Iterator[Accelerator]:
+    fresh = not PartialState._shared_state
+    yield Accelerator(cpu=True)
+    if fresh:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_evaluate_student_matches_direct_encoding(accelerator: Accelerator, tiny_models: dict[str, Path]) -> None:
+    student = SentenceTransformer(str(tiny_models["student"]), device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    projection = least_squares_projection(
+        torch.randn(128, 32, generator=generator), torch.randn(128, 48, generator=generator)
+    )
+    model = DistillationModel(student, projection)
+    model.train()
+    queries, corpus = sentences(12, seed=1), sentences(20, seed=2)
+    relevant = list(range(12))
+    eval_set = EvalSet(queries, corpus, relevant)
+    rng = np.random.default_rng(0)
+    teacher = EvalVectors(rng.standard_normal((12, 48)), rng.standard_normal((20, 48)), None)
+    inputs = EvalInputs(
+        eval_set,
+        TokenizedTexts(student.tokenizer, queries, student.max_seq_length),
+        TokenizedTexts(student.tokenizer, corpus, student.max_seq_length),
+        None,
+        teacher,
+    )
+    metrics = evaluate_student(accelerator, model, inputs, batch_size=5, matryoshka_dims=None)
+    assert model.training  # restored after evaluation
+
+    own_q, own_c = student.encode(queries), student.encode(corpus)
+    with torch.no_grad():
+        proj_q = projection({"sentence_embedding": torch.from_numpy(own_q)})["sentence_embedding"].numpy()
+        proj_c = projection({"sentence_embedding": torch.from_numpy(own_c)})["sentence_embedding"].numpy()
+    expected = score(EvalVectors(proj_q, proj_c, None), eval_set, teacher)
+    for name, value in expected.items():
+        assert metrics[name] == pytest.approx(value, abs=1e-4), name
+    assert metrics["ndcg@10_student_dim"] == pytest.approx(
+        retrieval_metrics(own_q, own_c, relevant)["ndcg@10"], abs=1e-4
+    )
+    assert "matryoshka_ndcg@10" not in metrics
+
+
+def test_evaluate_student_matryoshka(accelerator: Accelerator, tiny_models: dict[str, Path]) -> None:
+    student = SentenceTransformer(str(tiny_models["student"]), device="cpu")
+    model = DistillationModel(student)
+    queries, corpus = sentences(10, seed=3), sentences(15, seed=4)
+    eval_set = EvalSet(queries, corpus, list(range(10)))
+    rng = np.random.default_rng(1)
+    teacher = EvalVectors(rng.standard_normal((10, 48)), rng.standard_normal((15, 48)), None)
+    inputs = EvalInputs(
+        eval_set,
+        TokenizedTexts(student.tokenizer, queries, 64),
+        TokenizedTexts(student.tokenizer, corpus, 64),
+        None,
+        teacher,
+    )
+    metrics = evaluate_student(accelerator, model, inputs, batch_size=4, matryoshka_dims=[32, 16, 8])
+    own_q, own_c = student.encode(queries), student.encode(corpus)
+    assert "ndcg@10_student_dim" not in metrics
+    assert set(metrics["matryoshka_ndcg@10"]) == {"32", "16", "8"}
+    for dim in (32, 16, 8):
+        expected = retrieval_metrics(own_q[:, :dim], own_c[:, :dim], list(range(10)))["ndcg@10"]
+        assert metrics["matryoshka_ndcg@10"][str(dim)] == pytest.approx(expected, abs=1e-4)
+    # the teacher is compared after truncation to the student's 32 dims
+    cut = truncated(teacher, 32)
+    expected_cosine = score(EvalVectors(own_q, own_c, None), eval_set, cut)["teacher_cosine"]
+    assert metrics["teacher_cosine"] == pytest.approx(expected_cosine, abs=1e-4)

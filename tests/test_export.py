@@ -1,0 +1,164 @@
+"""Export: the deployable SentenceTransformer folder reloads to the same model; failed saves change nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import sentences
+from sentence_transformers import SentenceTransformer
+
+from distill import export
+from distill.errors import DistillError
+from distill.export import deployable_model, model_card, save_atomic
+from distill.student import DistillationModel, least_squares_projection
+
+CARD = "---\nlibrary_name: sentence-transformers\n---\n# Distilled student\n\ntest card\n"
+
+
+def projected_model(tiny_models: dict[str, Path], seed: int = 0) -> DistillationModel:
+    student = SentenceTransformer(str(tiny_models["student"]), device="cpu")
+    generator = torch.Generator().manual_seed(seed)
+    projection = least_squares_projection(
+        torch.randn(256, 32, generator=generator), torch.randn(256, 48, generator=generator)
+    )
+    return DistillationModel(student, projection)
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def test_exported_projection_model_reloads_identically(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    model = projected_model(tiny_models)
+    texts = sentences(10, seed=5)
+    deployable = deployable_model(model)
+    expected = deployable.encode(texts, convert_to_numpy=True)
+    target = tmp_path / "artifacts" / "model"
+    save_atomic(deployable, target, CARD)
+
+    reloaded = SentenceTransformer(str(target), device="cpu")
+    vectors = reloaded.encode(texts, convert_to_numpy=True)
+    assert vectors.shape == (10, 48)
+    np.testing.assert_allclose(vectors, expected, atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    assert reloaded.max_seq_length == model.student.max_seq_length
+    dim = getattr(reloaded, "get_embedding_dimension", None) or reloaded.get_sentence_embedding_dimension
+    assert dim() == 48
+
+    # the export is the student followed by the projection: same vectors as the training-time forward
+    features = model.student.preprocess(texts)
+    features.pop("modality", None)
+    with torch.no_grad():
+        ((_, target_vectors),) = model(features)
+    unit = torch.nn.functional.normalize(target_vectors, dim=-1).numpy()
+    np.testing.assert_allclose(vectors, unit, atol=1e-5)
+
+    assert (target / "README.md").read_text() == CARD
+    assert (target / "modules.json").is_file()
+    assert leftovers(target.parent) == []
+
+
+def test_matryoshka_mode_exports_the_student_itself(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    student = SentenceTransformer(str(tiny_models["student"]), device="cpu")
+    model = DistillationModel(student)
+    assert deployable_model(model) is student
+    texts = sentences(4, seed=2)
+    save_atomic(deployable_model(model), tmp_path / "model", CARD)
+    reloaded = SentenceTransformer(str(tmp_path / "model"), device="cpu")
+    np.testing.assert_allclose(reloaded.encode(texts), student.encode(texts), atol=1e-5)
+    assert reloaded.encode(texts).shape == (4, 32)
+
+
+def test_export_replaces_a_previous_export(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    target = tmp_path / "model"
+    texts = sentences(4, seed=7)
+    save_atomic(deployable_model(projected_model(tiny_models, seed=1)), target, "old card")
+    (target / "stale.txt").write_text("from the previous export")
+    newer = deployable_model(projected_model(tiny_models, seed=2))
+    save_atomic(newer, target, CARD)
+    assert (target / "README.md").read_text() == CARD
+    assert not (target / "stale.txt").exists()
+    np.testing.assert_allclose(
+        SentenceTransformer(str(target), device="cpu").encode(texts), newer.encode(texts), atol=1e-5
+    )
+    assert leftovers(tmp_path) == []
+
+
+def test_failed_save_keeps_previous_export(
+    tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "model"
+    texts = sentences(4, seed=3)
+    previous = deployable_model(projected_model(tiny_models, seed=1))
+    save_atomic(previous, target, "previous card")
+    before = sorted(p.name for p in target.iterdir())
+    expected = previous.encode(texts)
+
+    failing = deployable_model(projected_model(tiny_models, seed=2))
+    original_save = failing.save
+
+    def save_then_fail(path: str, *args: object, **kwargs: object) -> None:
+        original_save(path, *args, **kwargs)  # half a model written into the staging folder
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(failing, "save", save_then_fail)
+    with pytest.raises(DistillError, match=r"cannot write the exported model to .*model \(No space left on device\)"):
+        save_atomic(failing, target, CARD)
+
+    assert sorted(p.name for p in target.iterdir()) == before
+    assert (target / "README.md").read_text() == "previous card"
+    np.testing.assert_allclose(SentenceTransformer(str(target), device="cpu").encode(texts), expected, atol=1e-5)
+    assert leftovers(tmp_path) == []
+
+
+def test_failed_first_save_leaves_nothing(
+    tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = deployable_model(projected_model(tiny_models))
+
+    def fail(path: str, *args: object, **kwargs: object) -> None:
+        Path(path).mkdir(parents=True)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(model, "save", fail)
+    with pytest.raises(DistillError, match=r"\(Permission denied\); make .* writable or pass --artifacts_dir"):
+        save_atomic(model, tmp_path / "out" / "model", CARD)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_failed_swap_puts_the_previous_export_back(
+    tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "model"
+    save_atomic(deployable_model(projected_model(tiny_models, seed=1)), target, "previous card")
+    real_replace = export.os.replace
+
+    def replace(src: str | Path, dst: str | Path) -> None:
+        if ".tmp-" in Path(src).name:  # the new export's staging folder cannot be moved into place
+            raise OSError(18, "Invalid cross-device link")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(export.os, "replace", replace)
+    with pytest.raises(DistillError, match=r"Invalid cross-device link"):
+        save_atomic(deployable_model(projected_model(tiny_models, seed=2)), target, CARD)
+    monkeypatch.undo()
+    assert (target / "README.md").read_text() == "previous card"
+    assert leftovers(tmp_path) == []
+
+
+def test_model_card_mentions_models_table_and_settings() -> None:
+    card = model_card(
+        {"teacher_model": "big/teacher", "student_model": "small/student", "batch_size": 8},
+        "| metric | teacher |\n|---|---|\n| ndcg@10 | 0.5000 |",
+        {"student": 32, "output": 48},
+    )
+    assert card.startswith("---\nlibrary_name: sentence-transformers\n")
+    assert "`big/teacher`" in card and "`small/student`" in card
+    assert "32-d, projected to the teacher's 48-d" in card
+    assert "| ndcg@10 | 0.5000 |" in card
+    assert '"batch_size": 8' in card
+    same = model_card({}, "", {"student": 32, "output": 32})
+    assert "projected" not in same

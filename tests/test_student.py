@@ -1,0 +1,192 @@
+"""The student: layer selection and pruning, the least-squares projection, dimension checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import sentences
+from sentence_transformers import SentenceTransformer
+
+from distill.errors import DistillError
+from distill.student import (
+    DistillationModel,
+    check_dimensions,
+    embedding_dim,
+    evenly_spaced,
+    least_squares_projection,
+    load_student,
+    matryoshka_dims,
+    prune_layers,
+)
+
+
+def encoder_layers(model: SentenceTransformer) -> torch.nn.ModuleList:
+    return model[0].auto_model.encoder.layer
+
+
+def student_features(student: SentenceTransformer, texts: list[str]) -> dict[str, torch.Tensor]:
+    features = student.preprocess(texts)
+    features.pop("modality", None)
+    return features
+
+
+# ---------------------------------------------------------------- layer choice
+
+
+def test_evenly_spaced_examples() -> None:
+    assert evenly_spaced(6, 3) == [0, 2, 5]
+    assert evenly_spaced(12, 4) == [0, 4, 7, 11]
+    assert evenly_spaced(4, 2) == [0, 3]
+    assert evenly_spaced(5, 5) == [0, 1, 2, 3, 4]
+    assert evenly_spaced(6, 1) == [5]
+
+
+@pytest.mark.parametrize("total", range(2, 25))
+def test_evenly_spaced_keeps_first_and_last(total: int) -> None:
+    for keep in range(2, total + 1):
+        kept = evenly_spaced(total, keep)
+        assert len(kept) == keep
+        assert kept == sorted(set(kept))
+        assert kept[0] == 0 and kept[-1] == total - 1
+
+
+# ---------------------------------------------------------------- pruning
+
+
+def test_prune_layers_keeps_the_chosen_layers(tiny_models: dict[str, Path]) -> None:
+    original = SentenceTransformer(str(tiny_models["student"]), device="cpu")
+    pruned = SentenceTransformer(str(tiny_models["student"]), device="cpu")
+    assert len(encoder_layers(original)) == 4
+    kept = prune_layers(pruned, 2)
+    assert kept == [0, 3]
+    layers = encoder_layers(pruned)
+    assert len(layers) == 2
+    assert pruned[0].auto_model.config.num_hidden_layers == 2
+    for new_index, old_index in enumerate(kept):
+        new_state = layers[new_index].state_dict()
+        old_state = encoder_layers(original)[old_index].state_dict()
+        assert new_state.keys() == old_state.keys()
+        for name in new_state:
+            assert torch.equal(new_state[name], old_state[name]), name
+    # the dropped layer 1 is really gone: layer 1 of the pruned model is the old layer 3
+    old_second = encoder_layers(original)[1].state_dict()
+    assert not all(torch.equal(v, old_second[k]) for k, v in layers[1].state_dict().items())
+    # embeddings and other modules are untouched
+    assert torch.equal(
+        pruned[0].auto_model.embeddings.word_embeddings.weight, original[0].auto_model.embeddings.word_embeddings.weight
+    )
+
+
+def test_pruned_model_saves_and_reloads(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    texts = sentences(6, seed=4)
+    pruned = SentenceTransformer(str(tiny_models["student"]), device="cpu")
+    full_vectors = pruned.encode(texts)
+    prune_layers(pruned, 3)
+    assert evenly_spaced(4, 3) == [0, 2, 3]
+    expected = pruned.encode(texts)
+    assert not np.allclose(expected, full_vectors, atol=1e-4)  # pruning changed the function
+    pruned.save(str(tmp_path / "pruned"), create_model_card=False)
+    reloaded = SentenceTransformer(str(tmp_path / "pruned"), device="cpu")
+    assert len(encoder_layers(reloaded)) == 3
+    assert reloaded[0].auto_model.config.num_hidden_layers == 3
+    np.testing.assert_allclose(reloaded.encode(texts), expected, atol=1e-5)
+
+
+def test_load_student_prunes_and_sets_length(tiny_models: dict[str, Path]) -> None:
+    student = load_student(str(tiny_models["student"]), num_layers=1, max_seq_length=16)
+    assert len(encoder_layers(student)) == 1
+    assert student.max_seq_length == 16
+    assert embedding_dim(student) == 32
+    assert next(student.parameters()).device.type == "cpu"
+    original = SentenceTransformer(str(tiny_models["student"]), device="cpu")
+    last = encoder_layers(original)[3].state_dict()
+    for name, value in encoder_layers(student)[0].state_dict().items():
+        assert torch.equal(value, last[name])
+
+
+def test_pruning_to_more_layers_than_exist(tiny_models: dict[str, Path]) -> None:
+    student = SentenceTransformer(str(tiny_models["student"]), device="cpu")
+    with pytest.raises(DistillError, match=r"the student has 4 layers, cannot keep 5; pass a number from 1 to 4"):
+        prune_layers(student, 5)
+    assert len(encoder_layers(student)) == 4  # left as it was
+
+
+def test_missing_student_folder() -> None:
+    with pytest.raises(DistillError, match=r"model folder '/no/such/student' does not exist"):
+        load_student("/no/such/student")
+
+
+# ---------------------------------------------------------------- projection
+
+
+def test_least_squares_projection_recovers_a_linear_map() -> None:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3000, 32, generator=generator)
+    weight = torch.randn(32, 48, generator=generator) / 6
+    bias = torch.randn(48, generator=generator)
+    y = x @ weight + bias
+    projection = least_squares_projection(x, y)
+    assert projection.linear.weight.shape == (48, 32)
+    assert torch.allclose(projection.linear.weight.T, weight, atol=1e-4)
+    assert torch.allclose(projection.linear.bias, bias, atol=1e-4)
+    with torch.no_grad():
+        out = projection({"sentence_embedding": x})["sentence_embedding"]
+    assert out.dtype == torch.float32
+    assert torch.allclose(out, y, atol=1e-3)
+
+
+def test_projection_is_identity_activated_and_trainable() -> None:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(200, 4, generator=generator)
+    projection = least_squares_projection(x, -x)  # a negative map: a tanh or relu would clip it
+    with torch.no_grad():
+        out = projection({"sentence_embedding": x})["sentence_embedding"]
+    assert torch.allclose(out, -x, atol=1e-3)
+    assert all(p.requires_grad for p in projection.parameters())
+
+
+def test_distillation_model_outputs(tiny_models: dict[str, Path]) -> None:
+    student = SentenceTransformer(str(tiny_models["student"]), device="cpu")
+    generator = torch.Generator().manual_seed(2)
+    projection = least_squares_projection(
+        torch.randn(100, 32, generator=generator), torch.randn(100, 48, generator=generator)
+    )
+    texts = sentences(5, seed=1)
+    features = student_features(student, texts)
+    with torch.no_grad():
+        projected = DistillationModel(student, projection)
+        ((embedding, target),) = projected(features)
+        assert embedding.shape == (5, 32) and target.shape == (5, 48)
+        np.testing.assert_allclose(embedding.numpy(), student.encode(texts), atol=1e-5)
+        expected_target = projection({"sentence_embedding": embedding})["sentence_embedding"]
+        assert torch.allclose(target, expected_target)
+
+        mrl = DistillationModel(student)
+        assert mrl.student_dim == 32
+        first, second = mrl(features, student_features(student, texts[:2]))
+        assert torch.equal(first[0], first[1])  # no projection: the target is the student's own vector
+        assert second[0].shape == (2, 32)
+
+
+# ---------------------------------------------------------------- dimensions
+
+
+def test_check_dimensions() -> None:
+    with pytest.raises(DistillError, match=r"truncates the teacher's 48-d embeddings to the student's 64 dimensions"):
+        check_dimensions(64, 48, use_projection=False)
+    check_dimensions(64, 48, use_projection=True)  # a projection maps to any width
+    check_dimensions(32, 48, use_projection=False)
+    check_dimensions(48, 48, use_projection=False)
+
+
+def test_matryoshka_dims() -> None:
+    assert matryoshka_dims(32, None) == [32, 16, 8]
+    assert matryoshka_dims(384, None) == [384, 192, 96]
+    assert matryoshka_dims(384, []) == [384, 192, 96]
+    assert matryoshka_dims(64, [16, 32]) == [64, 32, 16]  # sorted, the full dim always included
+    assert matryoshka_dims(64, [64, 64, 8]) == [64, 8]
+    with pytest.raises(DistillError, match=r"matryoshka_dims \[128\] exceed the student's 64 dimensions"):
+        matryoshka_dims(64, [128, 32])

@@ -1,0 +1,241 @@
+"""The content-keyed teacher-embedding cache: correct vectors, warm hits without a model, keys, corruption."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, PartialState
+from conftest import sentences
+
+import distill.teacher as teacher_module
+from distill.config import ModelConfig
+from distill.teacher import TeacherCache, TeacherSpec, texts_fingerprint
+
+
+@pytest.fixture
+def accelerator() -> Iterator[Accelerator]:
+    fresh = not PartialState._shared_state
+    yield Accelerator(cpu=True)
+    if fresh:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def make_cache(
+    accelerator: Accelerator, model: Path, cache_dir: Path, *, prompt: str | None = None, max_len: int | None = None
+) -> TeacherCache:
+    config = ModelConfig(teacher_model=str(model), teacher_query_prompt=prompt, max_seq_length=max_len)
+    spec = TeacherSpec.from_config(config, accelerator.device)
+    return TeacherCache(accelerator, spec, cache_dir, batch_size=8)
+
+
+def forbid_teacher_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the teacher was loaded although the cache holds every entry")
+
+    monkeypatch.setattr(teacher_module, "load_teacher", refuse)
+
+
+def reference_embeddings(model: Path, texts: list[str], prompt: str | None = None) -> np.ndarray:
+    from sentence_transformers import SentenceTransformer
+
+    teacher = SentenceTransformer(str(model), device="cpu")
+    return teacher.encode(texts, prompt=prompt, normalize_embeddings=True, convert_to_numpy=True)
+
+
+def cache_entries(cache_dir: Path) -> list[Path]:
+    return sorted(cache_dir.iterdir())
+
+
+def test_embeddings_match_the_teacher(accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    texts = sentences(37, seed=11)
+    cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache")
+    vectors = cache.embeddings(texts, "document")
+    assert vectors.shape == (37, 48)
+    assert vectors.dtype == np.float16
+    assert cache.loaded
+    expected = reference_embeddings(tiny_models["teacher"], texts)
+    np.testing.assert_allclose(np.asarray(vectors, dtype=np.float32), expected, atol=2e-3)
+    np.testing.assert_allclose(np.linalg.norm(np.asarray(vectors, dtype=np.float32), axis=1), 1.0, atol=2e-3)
+
+
+def test_query_prompt_is_applied(accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    texts = sentences(12, seed=5)
+    cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache", prompt="query: ")
+    queries = np.asarray(cache.embeddings(texts, "query"), dtype=np.float32)
+    documents = np.asarray(cache.embeddings(texts, "document"), dtype=np.float32)
+    np.testing.assert_allclose(queries, reference_embeddings(tiny_models["teacher"], texts, "query: "), atol=2e-3)
+    np.testing.assert_allclose(documents, reference_embeddings(tiny_models["teacher"], texts), atol=2e-3)
+    assert not np.allclose(queries, documents, atol=1e-2)
+
+
+def test_warm_cache_loads_no_teacher(
+    accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    texts = sentences(20, seed=1)
+    cold = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache", prompt="q: ")
+    first_docs = np.array(cold.embeddings(texts, "document"))
+    first_queries = np.array(cold.embeddings(texts, "query"))
+    assert cold.loaded
+
+    forbid_teacher_loading(monkeypatch)
+    warm = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache", prompt="q: ")
+    docs = warm.embeddings(texts, "document")
+    queries = warm.embeddings(texts, "query")
+    assert not warm.loaded
+    assert warm.seconds == 0.0
+    np.testing.assert_array_equal(docs, first_docs)
+    np.testing.assert_array_equal(queries, first_queries)
+    assert isinstance(docs, np.memmap) and not docs.flags.writeable
+
+    # a miss with the teacher forbidden proves the warm hits above did not sneak around the loader
+    with pytest.raises(AssertionError, match="the teacher was loaded"):
+        warm.embeddings(texts + ["one more text"], "document")
+
+
+def test_key_depends_on_texts_prompt_and_length(
+    accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    texts = sentences(10, seed=3)
+    base = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache", prompt="query: ")
+    key = base.key(texts, "document")
+    assert key == base.key(list(texts), "document")  # deterministic
+    assert key == make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache", prompt="query: ").key(
+        texts, "document"
+    )
+
+    # texts: content, order and boundaries
+    assert base.key(texts[:-1], "document") != key
+    assert base.key(texts[::-1], "document") != key
+    assert base.key([texts[0] + " ", *texts[1:]], "document") != key
+    assert base.key(["ab", "c"], "document") != base.key(["a", "bc"], "document")
+    assert texts_fingerprint(["ab", "c"]) != texts_fingerprint(["a", "bc"])
+
+    # prompt: only queries carry it
+    query_key = base.key(texts, "query")
+    assert query_key != key
+    other_prompt = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache", prompt="search_query: ")
+    assert other_prompt.key(texts, "query") != query_key
+    assert other_prompt.key(texts, "document") == key  # documents get no prompt, so the prompt is irrelevant
+    no_prompt = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache", prompt="")
+    assert no_prompt.key(texts, "query") == no_prompt.key(texts, "document")
+
+    # max_seq_length
+    short = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache", prompt="query: ", max_len=8)
+    assert short.key(texts, "document") != key
+    shorter = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache", prompt="query: ", max_len=6)
+    assert shorter.key(texts, "document") != short.key(texts, "document")
+
+    # the model's weights
+    other_model = make_cache(accelerator, tiny_models["wide_student"], tmp_path / "cache", prompt="query: ")
+    assert other_model.key(texts, "document") != key
+
+
+def test_max_seq_length_truncates_the_teacher(
+    accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    long_text = " ".join(["river music king war state film team game"] * 4)
+    texts = [long_text, "the city."]
+    full = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache")
+    short = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache", max_len=6)
+    full_vectors = np.asarray(full.embeddings(texts, "document"), dtype=np.float32)
+    short_vectors = np.asarray(short.embeddings(texts, "document"), dtype=np.float32)
+    assert len(cache_entries(tmp_path / "cache")) == 2
+    assert not np.allclose(full_vectors[0], short_vectors[0], atol=1e-2)  # the long text was cut
+    np.testing.assert_allclose(full_vectors[1], short_vectors[1], atol=2e-3)  # the short one was not
+
+
+def corrupt_by_truncation(entry: Path) -> None:
+    data = entry / "embeddings.npy"
+    data.write_bytes(data.read_bytes()[:-64])
+
+
+def corrupt_manifest_count(entry: Path) -> None:
+    manifest = json.loads((entry / "manifest.json").read_text())
+    manifest["count"] += 1
+    (entry / "manifest.json").write_text(json.dumps(manifest))
+
+
+def corrupt_manifest_json(entry: Path) -> None:
+    (entry / "manifest.json").unlink()
+
+
+def corrupt_values_header(entry: Path) -> None:
+    """Same size, wrong shape: the .npy is rewritten with fewer rows and padded back to the recorded size."""
+    data = entry / "embeddings.npy"
+    size = data.stat().st_size
+    vectors = np.load(data)
+    np.save(data, vectors[:-1])
+    with open(data, "ab") as out:
+        out.write(b"\0" * (size - data.stat().st_size))
+
+
+@pytest.mark.parametrize(
+    "corrupt", [corrupt_by_truncation, corrupt_manifest_count, corrupt_manifest_json, corrupt_values_header]
+)
+def test_corrupt_entry_is_rebuilt(
+    corrupt, accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:  # noqa: ANN001
+    texts = sentences(16, seed=9)
+    cache_dir = tmp_path / "cache"
+    first = make_cache(accelerator, tiny_models["teacher"], cache_dir)
+    good = np.array(first.embeddings(texts, "document"))
+    (entry,) = cache_entries(cache_dir)
+    corrupt(entry)
+    assert teacher_module.read_entry(entry, first.key(texts, "document"), len(texts)) is None
+
+    second = make_cache(accelerator, tiny_models["teacher"], cache_dir)
+    rebuilt = second.embeddings(texts, "document")
+    assert second.loaded  # it recomputed rather than trusting the damaged entry
+    np.testing.assert_array_equal(np.asarray(rebuilt), good)
+    assert cache_entries(cache_dir) == [entry]
+    manifest = json.loads((entry / "manifest.json").read_text())
+    assert manifest["count"] == 16 and manifest["dim"] == 48
+    assert manifest["bytes"] == (entry / "embeddings.npy").stat().st_size
+
+
+def test_no_temporary_folders_left(accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    cache = make_cache(accelerator, tiny_models["teacher"], cache_dir, prompt="query: ")
+    texts = sentences(9, seed=2)
+    cache.embeddings(texts, "document")
+    cache.embeddings(texts, "query")
+    (cache_dir / cache.key(texts, "query") / "manifest.json").write_text("{}")  # force a rebuild over an entry
+    cache.embeddings(texts, "query")
+    entries = cache_entries(cache_dir)
+    assert [p.name for p in entries] == sorted([cache.key(texts, "document"), cache.key(texts, "query")])
+    assert not [p for p in entries if p.name.startswith(".")]
+    for entry in entries:
+        assert sorted(p.name for p in entry.iterdir()) == ["embeddings.npy", "manifest.json"]
+
+
+def test_manifest_records_what_was_computed(
+    accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache", prompt="query: ", max_len=16)
+    texts = sentences(5, seed=4)
+    cache.embeddings(texts, "query")
+    manifest = json.loads((tmp_path / "cache" / cache.key(texts, "query") / "manifest.json").read_text())
+    assert manifest["key"] == cache.key(texts, "query")
+    assert manifest["role"] == "query"
+    assert manifest["prompt"] == "query: "
+    assert manifest["max_seq_length"] == 16
+    assert manifest["dtype"] == "float16"
+    assert manifest["count"] == 5 and manifest["dim"] == 48
+
+
+def test_default_prompt_comes_from_the_teacher_config(accelerator: Accelerator, tmp_path: Path) -> None:
+    folder = tmp_path / "prompted"
+    folder.mkdir()
+    (folder / "config_sentence_transformers.json").write_text(json.dumps({"prompts": {"query": "Query: "}}))
+    spec = TeacherSpec.from_config(ModelConfig(teacher_model=str(folder)), accelerator.device)
+    assert spec.query_prompt == "Query: "
+    assert spec.compute_dtype == "float32"
+    explicit = TeacherSpec.from_config(
+        ModelConfig(teacher_model=str(folder), teacher_query_prompt=""), accelerator.device
+    )
+    assert explicit.query_prompt == ""
