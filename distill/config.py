@@ -123,6 +123,15 @@ class OutputConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    checkpoint_steps: int = _opt(default=0, help="Save a checkpoint every N optimizer steps (0: only on SIGTERM/NaN).")
+    checkpoints_total_limit: int = _opt(default=2, help="Checkpoints kept in <output_dir>/checkpoints (oldest go).")
+    resume_from_checkpoint: str | None = _opt(
+        default=None, help="'latest' (newest in output_dir, if any) or a checkpoint folder to continue from."
+    )
+
+
+@dataclass
 class LaunchConfig:
     num_processes: int | None = _opt(
         default=None, help="Processes to run on; when given after the module, distill relaunches itself."
@@ -137,6 +146,7 @@ class Config:
     phase2: PhaseConfig = field(default_factory=lambda: PhaseConfig(epochs=3, lr=5e-6))
     training: TrainingConfig = field(default_factory=TrainingConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
 
@@ -308,6 +318,13 @@ def validate(config: Config) -> list[str]:
         value = getattr(config.model, name)
         if value is not None and value < 1:
             problems.append(f"{name}: expected a positive integer or nothing, got {value}")
+    if config.checkpoint.checkpoint_steps < 0:
+        problems.append(
+            f"checkpoint_steps: expected 0 (off) or a positive integer, got {config.checkpoint.checkpoint_steps}"
+        )
+    if config.checkpoint.checkpoints_total_limit < 1:
+        limit = config.checkpoint.checkpoints_total_limit
+        problems.append(f"checkpoints_total_limit: expected a positive integer, got {limit}")
     if config.launch.num_processes is not None and config.launch.num_processes < 1:
         problems.append(f"num_processes: expected a positive integer, got {config.launch.num_processes}")
     if not 0 <= config.training.warmup_ratio < 1:

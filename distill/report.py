@@ -1,14 +1,21 @@
-"""Results: `<output_dir>/results.json` (written whole or not at all) and the table printed at the end."""
+"""Results: `<output_dir>/results.json`, `report.png` and `report.md` (each written whole or not at all)."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import numpy as np
 from accelerate import Accelerator
 
 from distill.errors import DistillError
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 ROWS = ("teacher", "student_before", "after_phase1", "student_after")
 METRICS = ("ndcg@10", "mrr@10", "sts_spearman", "teacher_cosine", "ndcg@10_student_dim")
@@ -29,14 +36,22 @@ def results_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def write_json_atomic(path: Path, payload: dict) -> None:
+def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """`write(staging)` fills a hidden temporary file that is then renamed to `path`: all of it or nothing."""
     staging = path.parent / f".{path.name}.tmp-{os.getpid()}"
     try:
-        staging.write_text(json.dumps(payload, indent=2, default=str))
+        write(staging)
         os.replace(staging, path)
     except OSError as e:
         staging.unlink(missing_ok=True)
         raise DistillError(f"cannot write {path} ({e.strerror or e}); make the output_dir writable") from None
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    write_atomic(path, lambda staging: staging.write_text(json.dumps(payload, indent=2, default=str)))
 
 
 def write_results(accelerator: Accelerator, output_dir: str | os.PathLike, results: dict) -> Path:
@@ -46,3 +61,210 @@ def write_results(accelerator: Accelerator, output_dir: str | os.PathLike, resul
         write_json_atomic(path, results)
     accelerator.wait_for_everyone()
     return path
+
+
+BAR_METRICS = ("ndcg@10", "mrr@10", "sts_spearman")
+PHASE_FIELDS = (
+    "teacher_seconds",
+    "train_seconds",
+    "train_samples",
+    "optimizer_steps",
+    "samples_per_second",
+    "final_loss",
+)
+ROW_LABELS = {
+    "teacher": "teacher",
+    "student_before": "student before",
+    "after_phase1": "after phase 1",
+    "student_after": "student after",
+}
+
+
+def write_report(output_dir: str | os.PathLike, results: dict) -> tuple[Path, Path]:
+    """Write `report.png` (loss curves, metric bars, Matryoshka curve) and `report.md` into `output_dir`.
+
+    A leaf writer: the caller runs it on the main process only, so nothing here touches another rank.
+    Returns the (png, md) paths.
+    """
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    png, md = output_dir / "report.png", output_dir / "report.md"
+    figure = report_figure(results)
+    # The staging name has no .png suffix, so the format is given explicitly.
+    write_atomic(png, lambda staging: figure.savefig(staging, format="png", dpi=110))
+    write_atomic(md, lambda staging: staging.write_text(report_markdown(results, png.name)))
+    return png, md
+
+
+def report_markdown(results: dict, image_name: str = "report.png") -> str:
+    """The Markdown report: evaluation table, share of the teacher's nDCG@10 kept, per-phase table, figure link."""
+    lines = [f"# Distillation report ({_run_description(results)})", "", f"![Distillation report]({image_name})", ""]
+    lines += ["## Evaluation", ""]
+    if any(isinstance(results.get(row), dict) for row in ROWS):
+        lines.append(results_table(results))
+        kept = _kept_share(results)
+        if kept is not None:
+            share, student, teacher = kept
+            kept_line = f"The student keeps **{share:.1f}%** of the teacher's nDCG@10 ({student:.4f} vs {teacher:.4f})."
+            lines += ["", kept_line]
+    else:
+        lines.append("(no evaluation set)")
+    lines += ["", "## Phases", ""]
+    phases = results.get("phases") or {}
+    if phases:
+        lines += ["| phase | " + " | ".join(PHASE_FIELDS) + " |", "|---|" + "---|" * len(PHASE_FIELDS)]
+        for phase, stats in phases.items():
+            lines.append(f"| {phase} | " + " | ".join(_cell(stats.get(field)) for field in PHASE_FIELDS) + " |")
+    else:
+        lines.append("(no training phase ran)")
+    return "\n".join(lines) + "\n"
+
+
+def report_figure(results: dict) -> Figure:
+    """The three-panel figure: loss per optimizer step, metric bars per model state, nDCG@10 per Matryoshka dim."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    # A bare Figure on the Agg canvas: no pyplot, so no global backend switch and no figure left open.
+    figure = Figure(figsize=(19, 5.6), layout="constrained")
+    FigureCanvasAgg(figure)
+    loss_axes, metric_axes, matryoshka_axes = figure.subplots(1, 3, width_ratios=(1.25, 1.0, 0.85))
+    _plot_losses(loss_axes, results.get("phases") or {})
+    _plot_metrics(metric_axes, results)
+    _plot_matryoshka(matryoshka_axes, results)
+    figure.suptitle(f"Distillation report: {_run_description(results)}", fontsize=14)
+    return figure
+
+
+def _run_description(results: dict) -> str:
+    world = results.get("world_size", "?")
+    return f"mode {results.get('mode', '?')}, world_size {world}"
+
+
+def _kept_share(results: dict) -> tuple[float, float, float] | None:
+    """(percent of the teacher's nDCG@10 the trained student reaches, student's, teacher's), if both exist."""
+    teacher = (results.get("teacher") or {}).get("ndcg@10")
+    student = (results.get("student_after") or {}).get("ndcg@10")
+    if teacher is None or student is None or teacher <= 0:
+        return None
+    return 100.0 * student / teacher, student, teacher
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) < 10 else f"{value:.1f}"
+    return str(value)
+
+
+def _moving_average(values: Sequence[float], window: int) -> np.ndarray:
+    """Trailing mean over `window` steps; the first steps average what there is, so the length is unchanged."""
+    values = np.asarray(values, dtype=float)
+    sums = np.cumsum(np.insert(values, 0, 0.0))
+    ends = np.arange(1, len(values) + 1)
+    starts = np.maximum(ends - window, 0)
+    return (sums[ends] - sums[starts]) / (ends - starts)
+
+
+def _no_data(axes: Axes, message: str) -> None:
+    axes.text(0.5, 0.5, message, ha="center", va="center", transform=axes.transAxes, fontsize=11, color="0.4")
+    axes.set_xticks([])
+    axes.set_yticks([])
+
+
+def _plot_losses(axes: Axes, phases: dict) -> None:
+    axes.set_title("(a) training loss per optimizer step")
+    offset = 0
+    for color, phase in zip(("C0", "C1"), ("phase1", "phase2")):
+        losses = (phases.get(phase) or {}).get("losses") or []
+        if not losses:
+            continue
+        steps = np.arange(offset + 1, offset + len(losses) + 1)
+        window = max(1, min(20, len(losses) // 25))  # short: ~4% of the phase, at most 20 steps
+        label = f"phase {phase[-1]}" + (f" (moving average of {window})" if window > 1 else "")
+        axes.plot(steps, losses, color=color, alpha=0.25, linewidth=0.8)
+        axes.plot(steps, _moving_average(losses, window), color=color, linewidth=1.8, label=label)
+        if offset:  # phase 2 continues phase 1's step count
+            axes.axvline(offset + 0.5, color="0.3", linestyle=":", linewidth=1.2)
+            axes.annotate(
+                "phase 2",
+                xy=(offset + 0.5, 0.0),
+                xycoords=("data", "axes fraction"),
+                xytext=(4, 6),
+                textcoords="offset points",
+                fontsize=9,
+                color="0.3",
+            )
+        offset += len(losses)
+    if not offset:
+        _no_data(axes, "no training steps")
+        return
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("loss")
+    axes.set_xlim(0, offset + 1)
+    axes.grid(alpha=0.3)
+    axes.legend(loc="upper right", fontsize=9)
+
+
+def _plot_metrics(axes: Axes, results: dict) -> None:
+    axes.set_title("(b) evaluation")
+    rows = [row for row in ROWS if isinstance(results.get(row), dict)]
+    metrics = [m for m in BAR_METRICS if any(m in results[row] for row in rows)]
+    if not metrics:
+        _no_data(axes, "no evaluation set")
+        return
+    width = 0.8 / len(rows)
+    groups = np.arange(len(metrics))
+    top = 0.0
+    for i, row in enumerate(rows):
+        present = [j for j, m in enumerate(metrics) if m in results[row]]
+        values = [results[row][metrics[j]] for j in present]
+        bars = axes.bar(groups[present] + (i - (len(rows) - 1) / 2) * width, values, width, label=ROW_LABELS[row])
+        axes.bar_label(bars, fmt="%.3f", fontsize=8, rotation=90, padding=3)
+        top = max([top, *values])
+    axes.set_xticks(groups, metrics)
+    axes.set_ylim(0, top * 1.35)  # room for the value labels and the legend above the bars
+    axes.grid(axis="y", alpha=0.3)
+    axes.legend(loc="upper center", ncol=len(rows), fontsize=9, frameon=False)
+
+
+def _plot_matryoshka(axes: Axes, results: dict) -> None:
+    axes.set_title("(c) Matryoshka: nDCG@10 per dimension")
+    curves = [
+        (row, (results.get(row) or {}).get("matryoshka_ndcg@10"))
+        for row in ("student_before", "student_after")
+        if (results.get(row) or {}).get("matryoshka_ndcg@10")
+    ]
+    if not curves:
+        reason = " (projection mode)" if results.get("mode") == "projection" else " in this run"
+        _no_data(axes, f"no Matryoshka evaluation{reason}")
+        return
+    dims = set()
+    for row, curve in curves:
+        points = sorted((int(dim), value) for dim, value in curve.items())  # JSON keys are strings
+        dims.update(dim for dim, _ in points)
+        after = row == "student_after"
+        axes.plot(
+            [d for d, _ in points],
+            [v for _, v in points],
+            marker="o",
+            linestyle="-" if after else "--",
+            color="C3" if after else "C1",
+            alpha=1.0 if after else 0.6,
+            label=ROW_LABELS[row],
+        )
+        if after:
+            for dim, value in points:
+                axes.annotate(f"{value:.3f}", (dim, value), xytext=(0, 7), textcoords="offset points", ha="center")
+    teacher = (results.get("teacher") or {}).get("ndcg@10")
+    if teacher is not None:
+        axes.axhline(teacher, color="C0", linestyle="--", linewidth=1.2, label=f"teacher ({teacher:.3f})")
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(sorted(dims), [str(d) for d in sorted(dims)])
+    axes.minorticks_off()
+    axes.set_xlabel("embedding dimension (first d coordinates)")
+    axes.set_ylabel("nDCG@10")
+    axes.margins(x=0.08, y=0.15)  # room for the value labels at the first and last dimension
+    axes.grid(alpha=0.3)
+    axes.legend(loc="lower right", fontsize=9)

@@ -30,6 +30,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 
 from distill.batching import Phase1Batches, Phase2Batches, TokenizedTexts, make_loader
+from distill.checkpoint import PHASES, TrainingState, find_checkpoint, read_state
 from distill.config import Config, dump_config, load_config, to_flat_dict
 from distill.data import DistillData, Pairs, load_data
 from distill.errors import DistillError
@@ -48,7 +49,7 @@ from distill.student import (
     matryoshka_dims,
 )
 from distill.teacher import TeacherCache, TeacherSpec
-from distill.training import PhaseSettings, scaled_lr, train_phase
+from distill.training import CheckpointSettings, PhaseSettings, TrainingStopped, scaled_lr, train_phase
 
 logger = get_logger(__name__)
 
@@ -253,13 +254,37 @@ def eval_inputs(student, data: DistillData, teacher: TeacherVectors) -> EvalInpu
     )
 
 
+def run_identity(config: Config) -> dict:
+    """What a checkpoint must share with the run that resumes it."""
+    m = config.model
+    return {
+        "teacher_model": m.teacher_model,
+        "student_model": m.student_model,
+        "student_num_layers": m.student_num_layers,
+        "use_projection": m.use_projection,
+        "matryoshka_dims": m.matryoshka_dims,
+    }
+
+
+def resume_point(config: Config) -> Path | None:
+    """The checkpoint to continue from: the flag's, or the latest one after an elastic restart."""
+    spec = config.checkpoint.resume_from_checkpoint
+    if spec is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        spec = "latest"  # torchrun restarted the group after a failure: pick up where it stopped
+    return find_checkpoint(config.output.output_dir, spec) if spec else None
+
+
 def run(config: Config) -> dict:
     """The whole pipeline on this process (one of the launched ones). Returns the results dict."""
     accelerator = make_accelerator(config)
     set_seed(config.training.seed)
     output_dir = prepare_output_dir(accelerator, config)
     world = accelerator.num_processes
-    phases = [p for p in ("phase1", "phase2") if not getattr(config.training, f"skip_{p}")]
+    phases = [p for p in PHASES if not getattr(config.training, f"skip_{p}")]
+    resume = resume_point(config)
+    state = read_state(resume, run_identity(config)) if resume else TrainingState(identity=run_identity(config))
+    if resume:
+        accelerator.print(f"resuming from {resume} ({state.phase}, optimizer step {state.optimizer_steps})")
 
     check_declared_dimensions(config.model)  # before any encoding: a wrong pairing fails in seconds
     data = load_data(config.data, config.training.seed, "phase1" in phases, "phase2" in phases)
@@ -267,23 +292,40 @@ def run(config: Config) -> dict:
     model, dims = build_student(accelerator, config, data, teacher)
     evaluation = eval_inputs(model.student, data, teacher)
     eval_batch = 2 * config.training.batch_size
+    checkpoints = CheckpointSettings(
+        output_dir, config.checkpoint.checkpoint_steps, config.checkpoint.checkpoints_total_limit
+    )
 
-    results: dict = {"world_size": world, "mode": "projection" if model.projection is not None else "matryoshka"}
-    if evaluation is not None:
+    results: dict = state.results or {"mode": "projection" if model.projection is not None else "matryoshka"}
+    state.results = results  # checkpoints carry the evaluations made so far
+    results["world_size"] = world
+    if evaluation is not None and "teacher" not in results:
         results["teacher"] = evaluate_teacher(evaluation)
         results["student_before"] = evaluate_student(accelerator, model, evaluation, eval_batch, dims)
-    results["phases"] = {}
+    results.setdefault("phases", {})
     for phase in phases:
+        if resume is not None and PHASES.index(phase) < PHASES.index(state.phase):
+            continue  # finished before the checkpoint; its figures are in the checkpoint's results
         loader = phase_loader(config, model.student, data, teacher, phase, world)
-        model, phase_result = train_phase(accelerator, model, loader, phase_settings(config, phase, world, dims))
+        settings = phase_settings(config, phase, world, dims)
+        model = train_phase(
+            accelerator,
+            model,
+            loader,
+            settings,
+            state,
+            checkpoints,
+            resume if resume is not None and phase == state.phase else None,
+        )
+        resume = None
         results["phases"][phase] = {
             "teacher_seconds": round(teacher.seconds[phase], 3),
-            "train_seconds": round(phase_result.train_seconds, 3),
-            "train_samples": phase_result.train_samples,
-            "optimizer_steps": phase_result.optimizer_steps,
-            "samples_per_second": round(phase_result.train_samples / max(phase_result.train_seconds, 1e-9), 2),
-            "final_loss": phase_result.losses[-1] if phase_result.losses else None,
-            "losses": phase_result.losses,
+            "train_seconds": round(state.train_seconds, 3),
+            "train_samples": state.train_samples,
+            "optimizer_steps": state.optimizer_steps,
+            "samples_per_second": round(state.train_samples / max(state.train_seconds, 1e-9), 2),
+            "final_loss": state.losses[-1] if state.losses else None,
+            "losses": list(state.losses),
         }
         if evaluation is not None:
             key = "after_phase1" if phase == "phase1" and len(phases) == 2 else "student_after"
@@ -292,11 +334,8 @@ def run(config: Config) -> dict:
     results["teacher_seconds_evaluation"] = round(teacher.seconds["evaluation"], 3)
     table = results_table(results) if evaluation is not None else "(no evaluation set)"
     if config.output.save_to_artifacts:
-        dims_info = {
-            "student": model.student_dim,
-            "output": teacher.dim if model.projection is not None else model.student_dim,
-        }
-        card = model_card(to_flat_dict(config), table, dims_info)
+        output_dim = teacher.dim if model.projection is not None else model.student_dim
+        card = model_card(to_flat_dict(config), table, {"student": model.student_dim, "output": output_dim})
         results["exported"] = export_models(accelerator, model, config.output.artifacts_dir, card)
     results["config"] = to_flat_dict(config)
     path = write_results(accelerator, output_dir, results)
@@ -326,6 +365,10 @@ def main(argv: list[str] | None = None) -> int:
         run(config)
         logger.info(f"done in {time.perf_counter() - started:.1f}s", main_process_only=True)
         return 0
+    except TrainingStopped as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"distill: {e}", file=sys.stderr)
+        return e.exit_code
     except DistillError as e:
         if os.environ.get("RANK", "0") == "0":  # one line from one process, not one per rank
             print(f"error: {e}", file=sys.stderr)

@@ -10,8 +10,11 @@ the same trajectory as 1 process x batch N*B.
 from __future__ import annotations
 
 import math
+import signal
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -20,6 +23,8 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
+from distill.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+from distill.errors import DistillError
 from distill.losses import LossWeights, alignment_loss, similarity_kl_loss
 from distill.student import DistillationModel
 
@@ -38,14 +43,6 @@ class PhaseSettings:
     max_grad_norm: float
     weights: LossWeights
     matryoshka_dims: list[int] | None  # None in projection mode
-
-
-@dataclass
-class PhaseResult:
-    train_seconds: float
-    train_samples: int
-    optimizer_steps: int
-    losses: list[float] = field(default_factory=list)  # mean loss of each optimizer step
 
 
 def scaled_lr(lr: float, scaling: str, num_processes: int) -> float:
@@ -104,13 +101,49 @@ def phase_loss(
     return loss, (alignment + similarity).detach()
 
 
+@dataclass
+class CheckpointSettings:
+    output_dir: Path
+    every: int  # optimizer steps between checkpoints; 0 disables periodic checkpoints
+    limit: int  # checkpoints kept
+
+
+class TrainingStopped(DistillError):
+    """Training stopped on purpose (preemption, non-finite loss) after writing a checkpoint."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class _Preemption:
+    """SIGTERM sets a flag; the loop turns it into a collective decision at the next optimizer step."""
+
+    requested = False
+
+    @classmethod
+    def install(cls) -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, cls._handle)
+
+    @classmethod
+    def _handle(cls, signum: int, frame: object) -> None:
+        cls.requested = True
+
+
 def train_phase(
     accelerator: Accelerator,
     model: DistillationModel,
     loader: DataLoader,
     settings: PhaseSettings,
-) -> tuple[DistillationModel, PhaseResult]:
-    """Train `model` for one phase; returns the unwrapped model and what the phase cost."""
+    state: TrainingState,
+    checkpoints: CheckpointSettings,
+    resume: Path | None = None,
+) -> DistillationModel:
+    """Train `model` for one phase, continuing `state` from the checkpoint `resume` if given.
+
+    Updates `state` (losses, steps, samples, seconds) in place and returns the unwrapped model.
+    """
     optimizer = make_optimizer(model, settings.lr, settings.weight_decay)
     sampler = loader.batch_sampler
     steps_per_epoch = math.ceil(len(loader) / accelerator.gradient_accumulation_steps)
@@ -119,36 +152,78 @@ def train_phase(
         "linear", optimizer, num_warmup_steps=int(settings.warmup_ratio * total_steps), num_training_steps=total_steps
     )
     wrapped, optimizer, prepared_loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    if resume is not None:
+        load_checkpoint(accelerator, resume)
+        accelerator.step = state.accelerator_step  # keeps gradient-accumulation windows where they were
+    else:
+        state.start_phase(settings.name)
+    _Preemption.install()
     wrapped.train()
-    result = PhaseResult(train_seconds=0.0, train_samples=0, optimizer_steps=0)
     progress = tqdm(
-        total=total_steps, desc=settings.name, disable=not accelerator.is_local_main_process, dynamic_ncols=True
+        total=total_steps,
+        initial=state.optimizer_steps,
+        desc=settings.name,
+        disable=not accelerator.is_local_main_process,
+        dynamic_ncols=True,
     )
-    step_losses: list[torch.Tensor] = []
-    started = time.perf_counter()
-    for epoch in range(settings.epochs):
+    window_losses: list[torch.Tensor] = []
+    window_start = state.batches_done  # batches done at the last optimizer step: where a resume restarts
+    started = time.perf_counter() - state.train_seconds
+    for epoch in range(state.epoch, settings.epochs):
+        state.epoch = epoch
         sampler.set_epoch(epoch)
-        for batch in prepared_loader:
+        batches = prepared_loader
+        if state.batches_done:
+            batches = accelerator.skip_first_batches(prepared_loader, state.batches_done)
+        for batch in batches:
             with accelerator.accumulate(wrapped):
                 loss, reported = phase_loss(accelerator, wrapped, batch, settings)
+                global_loss = accelerator.reduce(reported, reduction="mean")
+                if not torch.isfinite(global_loss):
+                    state.batches_done = window_start
+                    path = save_checkpoint(accelerator, checkpoints.output_dir, state, checkpoints.limit)
+                    raise TrainingStopped(
+                        f"non-finite loss ({global_loss.item()}) in {settings.name} at optimizer step "
+                        f"{state.optimizer_steps + 1} (epoch {epoch}); the checkpoint from before it is {path}; "
+                        "lower the learning rate or use --mixed_precision bf16/no, then --resume_from_checkpoint",
+                        exit_code=3,
+                    )
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and settings.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(wrapped.parameters(), settings.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-            step_losses.append(reported)
-            result.train_samples += sampler.batch_size
-            if accelerator.sync_gradients:
-                mean_loss = accelerator.reduce(torch.stack(step_losses).mean(), reduction="mean").item()
-                step_losses.clear()
-                result.optimizer_steps += 1
-                result.losses.append(mean_loss)
-                progress.update(1)
-                progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
-                accelerator.log({f"{settings.name}/loss": mean_loss, f"{settings.name}/lr": scheduler.get_last_lr()[0]})
-    result.train_seconds = time.perf_counter() - started
+            window_losses.append(global_loss)
+            state.batches_done += 1
+            state.train_samples += sampler.batch_size
+            if not accelerator.sync_gradients:
+                continue
+            mean_loss = torch.stack(window_losses).mean().item()
+            window_losses.clear()
+            window_start = state.batches_done
+            state.optimizer_steps += 1
+            state.accelerator_step = accelerator.step
+            state.losses.append(mean_loss)
+            state.train_seconds = time.perf_counter() - started
+            progress.update(1)
+            progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+            accelerator.log({f"{settings.name}/loss": mean_loss, f"{settings.name}/lr": scheduler.get_last_lr()[0]})
+            if _Preemption.requested:
+                accelerator.set_trigger()
+            if accelerator.check_trigger():  # collective: every rank stops at the same step
+                path = save_checkpoint(accelerator, checkpoints.output_dir, state, checkpoints.limit)
+                raise TrainingStopped(
+                    f"stopped by SIGTERM in {settings.name} at optimizer step {state.optimizer_steps}; checkpoint "
+                    f"saved to {path}; continue with --resume_from_checkpoint latest",
+                    exit_code=143,
+                )
+            if checkpoints.every and state.optimizer_steps % checkpoints.every == 0:
+                save_checkpoint(accelerator, checkpoints.output_dir, state, checkpoints.limit)
+        state.batches_done = window_start = 0
+    state.epoch = settings.epochs
+    state.train_seconds = time.perf_counter() - started
     progress.close()
     model = accelerator.unwrap_model(wrapped)
     accelerator.free_memory()  # forget this phase's optimizer, scheduler and loader; the next phase re-prepares
-    return model, result
+    return model

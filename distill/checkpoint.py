@@ -1,0 +1,141 @@
+"""Checkpoints: everything needed to continue a run exactly, written whole or not at all, loaded without pickle.
+
+A checkpoint is `<output_dir>/checkpoints/checkpoint-<phase>-<step>/` holding
+- Accelerate's `save_state`: student + projection (safetensors), optimizer, scheduler, gradient scaler;
+- `rng_state_<rank>.safetensors`: each process's torch (and CUDA) generator states;
+- `state.json`: phase, epoch, batches done in the epoch, optimizer steps, the losses and results so far,
+  and the identity of the run (teacher, student, mode), checked on resume.
+Data order needs no saved state: the batch sampler is a pure function of (seed, epoch), and resuming
+mid-epoch skips the batches already done (`skip_first_batches`).
+
+Accelerate's own RNG file and `register_for_checkpointing` store pickles that are loaded with
+`weights_only=False`; distill keeps its state in JSON and safetensors instead and never loads a pickle.
+Checkpoints are named by phase and step rather than by Accelerate's automatic counter, which
+`load_state` does not restore (accelerate issue 1601), so saving after a resume never collides.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from safetensors.torch import load_file, save_file
+
+from distill.errors import DistillError
+
+PHASES = ("phase1", "phase2")
+NAME = re.compile(r"^checkpoint-(phase[12])-(\d+)$")
+STATE_FILE = "state.json"
+
+
+@dataclass
+class TrainingState:
+    """Where the run is; saved as JSON in every checkpoint."""
+
+    phase: str = "phase1"
+    epoch: int = 0
+    batches_done: int = 0  # micro-batches finished in `epoch`
+    optimizer_steps: int = 0
+    train_samples: int = 0
+    train_seconds: float = 0.0
+    accelerator_step: int = 0  # Accelerate's micro-batch counter, which sets gradient-accumulation windows
+    losses: list[float] = field(default_factory=list)
+    results: dict = field(default_factory=dict)  # evaluations and finished phases' figures so far
+    identity: dict = field(default_factory=dict)
+
+    def start_phase(self, phase: str) -> None:
+        """Reset the per-phase counters; results and identity carry over."""
+        self.phase, self.epoch, self.batches_done, self.optimizer_steps = phase, 0, 0, 0
+        self.train_samples, self.train_seconds, self.accelerator_step, self.losses = 0, 0.0, 0, []
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainingState:
+        return cls(**json.loads(text))
+
+
+def checkpoint_root(output_dir: str | os.PathLike) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def _order(path: Path) -> tuple[int, int]:
+    match = NAME.match(path.name)
+    assert match is not None
+    return PHASES.index(match.group(1)), int(match.group(2))
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints (with their state file), oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if NAME.match(p.name) and (p / STATE_FILE).is_file()]
+    return sorted(found, key=_order)
+
+
+def find_checkpoint(output_dir: str | os.PathLike, spec: str) -> Path | None:
+    """`latest` -> the newest complete checkpoint of this output_dir, or None; otherwise the given folder."""
+    if spec == "latest":
+        found = list_checkpoints(checkpoint_root(output_dir))
+        return found[-1] if found else None
+    path = Path(spec).expanduser()
+    if not (path / STATE_FILE).is_file():
+        raise DistillError(
+            f"resume_from_checkpoint: {spec!r} is not a checkpoint folder (no {STATE_FILE} inside); pass "
+            "'latest' or a folder like <output_dir>/checkpoints/checkpoint-phase1-0000100"
+        )
+    return path
+
+
+def read_state(path: Path, identity: dict) -> TrainingState:
+    """The checkpoint's state, after checking it was made by the same teacher, student and mode."""
+    state = TrainingState.from_json((path / STATE_FILE).read_text())
+    different = {k: (state.identity.get(k), v) for k, v in identity.items() if state.identity.get(k) != v}
+    if different:
+        described = ", ".join(f"{k}: checkpoint has {old!r}, this run {new!r}" for k, (old, new) in different.items())
+        raise DistillError(
+            f"checkpoint {path} comes from a different run ({described}); resume with the same settings "
+            "or start in a fresh --output_dir"
+        )
+    return state
+
+
+def save_checkpoint(accelerator: Accelerator, output_dir: str | os.PathLike, state: TrainingState, limit: int) -> Path:
+    """Collective: every process calls it. Written to a temporary folder, then renamed; keeps the last `limit`."""
+    root = checkpoint_root(output_dir)
+    final = root / f"checkpoint-{state.phase}-{state.optimizer_steps:07d}"
+    staging = root / f".tmp-{final.name}"
+    if accelerator.is_main_process:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(staging), safe_serialization=True)
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    save_file(rng, str(staging / f"rng_state_{accelerator.process_index}.safetensors"))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (staging / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))  # last: marks it complete
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        for old in list_checkpoints(root)[:-limit] if limit > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator: Accelerator, path: Path) -> None:
+    """Collective: restore the prepared model, optimizer, scheduler and scaler, and this process's RNG."""
+    accelerator.load_state(str(path))
+    rng_file = path / f"rng_state_{accelerator.process_index}.safetensors"
+    if rng_file.is_file():
+        rng = load_file(str(rng_file))
+        torch.set_rng_state(rng["cpu"])
+        if torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([rng[k] for k in sorted(rng) if k.startswith("cuda")])
