@@ -284,7 +284,9 @@ def run(config: Config) -> dict:
     resume = resume_point(config)
     state = read_state(resume, run_identity(config)) if resume else TrainingState(identity=run_identity(config))
     if resume:
-        accelerator.print(f"resuming from {resume} ({state.phase}, optimizer step {state.optimizer_steps})")
+        logger.warning(
+            f"resuming from {resume} ({state.phase}, optimizer step {state.optimizer_steps})", main_process_only=True
+        )
 
     check_declared_dimensions(config.model)  # before any encoding: a wrong pairing fails in seconds
     data = load_data(config.data, config.training.seed, "phase1" in phases, "phase2" in phases)

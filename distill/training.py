@@ -171,10 +171,13 @@ def train_phase(
     started = time.perf_counter() - state.train_seconds
     for epoch in range(state.epoch, settings.epochs):
         state.epoch = epoch
-        sampler.set_epoch(epoch)
         batches = prepared_loader
         if state.batches_done:
             batches = accelerator.skip_first_batches(prepared_loader, state.batches_done)
+        # Accelerate's loaders push their own epoch counter into the sampler when iterated; a loader made
+        # by skip_first_batches starts that counter at 0, so set it explicitly to keep the data order.
+        batches.set_epoch(epoch)
+        sampler.set_epoch(epoch)
         for batch in batches:
             with accelerator.accumulate(wrapped):
                 loss, reported = phase_loss(accelerator, wrapped, batch, settings)

@@ -1,0 +1,106 @@
+"""Experiment trackers for `Accelerator(log_with=...)`: a dependency-free JSON-lines tracker, and name resolution.
+
+Accelerate gates trackers on the main process itself: `init_trackers` and `log` run on the main process only,
+so only there does `accelerator.trackers` (which `end_training` finishes) hold anything. The instance built by
+`resolve_trackers` exists on every rank but opens no file until `start`, and its methods are wrapped in
+accelerate's `on_main_process` as well, so a direct call on another rank does nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from accelerate.tracking import GeneralTracker, on_main_process
+
+from distill.errors import DistillError
+
+METRICS_FILE = "metrics.jsonl"
+PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}  # any one of them will do
+TRACKER_NAMES = ("jsonl", *PACKAGES)
+
+
+class JsonlTracker(GeneralTracker):
+    """Appends `<logging_dir>/metrics.jsonl`: `{"config": ...}` first, then `{"step", "time", "values"}` per log.
+
+    The file is opened in append mode, so a resumed run adds to the same file; each run (or resumed segment)
+    starts with its own `{"config": ...}` line. Every line is flushed, so a crash loses nothing already logged.
+    """
+
+    name = "jsonl"
+    requires_logging_directory = True
+    main_process_only = True
+
+    def __init__(self, logging_dir: str | os.PathLike) -> None:
+        super().__init__()
+        self.path = Path(logging_dir) / METRICS_FILE
+        self._file: IO[str] | None = None
+
+    @property
+    def tracker(self) -> IO[str] | None:
+        """The open metrics file (None before `start` and off the main process)."""
+        return self._file
+
+    @on_main_process
+    def start(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")  # closed in `finish`
+
+    @on_main_process
+    def store_init_configuration(self, values: dict) -> None:
+        self._write({"config": values})
+
+    @on_main_process
+    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        self._write({"step": step, "time": time.time(), "values": values})
+
+    @on_main_process
+    def finish(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _write(self, record: dict) -> None:
+        if self._file is None:  # used without `Accelerator.init_trackers`
+            self.start()
+        self._file.write(json.dumps(record, default=_to_json) + "\n")
+        self._file.flush()
+
+
+def _to_json(value: Any) -> Any:
+    """Tensors and numpy scalars as numbers (`.item()`), anything else as its string."""
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            return item()
+        except (TypeError, ValueError, RuntimeError):  # a tensor or array of more than one element
+            pass
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
+
+
+def resolve_trackers(names: list[str], output_dir: str | os.PathLike) -> list[GeneralTracker | str]:
+    """The Accelerator's `log_with` for tracker names from the config.
+
+    "jsonl" becomes a `JsonlTracker` writing `<output_dir>/metrics.jsonl`; "tensorboard" and "wandb" pass
+    through as names once their package is known to be installed.
+
+    Accelerate itself drops a named tracker whose package is missing with only a debug message, so the
+    check is made here. "tensorboard" also needs the Accelerator's `project_dir` (or `logging_dir`) set.
+    """
+    resolved: list[GeneralTracker | str] = []
+    for name in dict.fromkeys(names):  # a repeated name would log everything twice
+        if name not in TRACKER_NAMES:
+            raise DistillError(f"unknown tracker {name!r}; use one or more of: {', '.join(TRACKER_NAMES)}")
+        if name == "jsonl":
+            resolved.append(JsonlTracker(output_dir))
+            continue
+        if not any(importlib.util.find_spec(package) for package in PACKAGES[name]):
+            raise DistillError(f"tracker {name!r} needs the {name} package; run `pip install {name}` or drop it")
+        resolved.append(name)
+    return resolved

@@ -1,0 +1,246 @@
+"""Checkpoints: kill, preempt, restart, resume - and reach the same weights as a run that was never interrupted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_run_flags
+from distill.checkpoint import TrainingState, find_checkpoint, list_checkpoints, read_state
+from distill.errors import DistillError
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+
+
+def flags(tiny_models, tiny_data, out: Path, cache: Path, **extra) -> list[str]:
+    """A run long enough to be interrupted: 4 + 3 epochs, a checkpoint every 3 optimizer steps."""
+    settings = dict(
+        phase1_epochs=4,
+        phase2_epochs=3,
+        checkpoint_steps=3,
+        checkpoints_total_limit=3,
+        save_to_artifacts=True,
+        teacher_cache_dir=cache,
+        eval_data="none",
+    )
+    settings.update(extra)
+    return tiny_run_flags(tiny_models, tiny_data, out, **settings)
+
+
+def command(num_processes: int, argv: list[str], *launch_args: str) -> list[str]:
+    if num_processes == 1 and not launch_args:
+        return [sys.executable, "-m", "distill.train", *argv]
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        str(num_processes),
+        "--multi_gpu",
+        *launch_args,
+    ]
+    if "--num_machines" not in launch_args:
+        launch += ["--num_machines", "1", "--main_process_port", str(free_port())]
+    return [*launch, "-m", "distill.train", *argv]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def finish(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    done = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stderr[-5000:]}"
+    return done
+
+
+def start(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
+def wait_for_checkpoint(out: Path, phase: str, process: subprocess.Popen, timeout: float = 300) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [p for p in list_checkpoints(out / "checkpoints") if p.name.startswith(f"checkpoint-{phase}")]
+        if found:
+            return found[-1]
+        if process.poll() is not None:
+            pytest.fail(f"the run ended before a {phase} checkpoint appeared:\n{process.stderr.read()[-3000:]}")
+        time.sleep(0.02)
+    pytest.fail(f"no {phase} checkpoint within {timeout}s")
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    folder = out / "artifacts" / "model"
+    found = {}
+    for file in sorted(folder.rglob("model.safetensors")):
+        found.update({f"{file.parent.name}.{k}": v for k, v in load_file(str(file)).items()})
+    return found
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models, tiny_data, tmp_path_factory) -> dict[int, dict[str, torch.Tensor]]:
+    """Uninterrupted runs on 1 and 2 processes, to compare interrupted ones with."""
+    root = tmp_path_factory.mktemp("reference")
+    found = {}
+    for n in (1, 2):
+        out = root / f"n{n}"
+        finish(command(n, flags(tiny_models, tiny_data, out, root / "cache")))
+        found[n] = weights(out)
+    return found
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("num_processes", [1, 2])
+@pytest.mark.parametrize("phase", ["phase1", "phase2"])
+def test_sigkill_then_resume_reaches_the_uninterrupted_weights(
+    num_processes, phase, reference, tiny_models, tiny_data, tmp_path
+):
+    out = tmp_path / "killed"
+    argv = flags(tiny_models, tiny_data, out, tmp_path / "cache")
+    process = start(command(num_processes, argv))
+    checkpoint = wait_for_checkpoint(out, phase, process)
+    os.killpg(process.pid, signal.SIGKILL)  # the launcher and every rank, with no chance to clean up
+    process.wait(timeout=60)
+    assert not (out / "results.json").exists(), "the run finished before it was killed"
+    assert checkpoint.is_dir()
+    finish(command(num_processes, [*argv, "--resume_from_checkpoint", "latest"]))
+    assert max_difference(weights(out), reference[num_processes]) <= 1e-6
+    assert json.loads((out / "results.json").read_text())["world_size"] == num_processes
+
+
+@pytest.mark.multiprocess
+def test_sigterm_saves_a_checkpoint_and_exits_then_latest_continues(reference, tiny_models, tiny_data, tmp_path):
+    out = tmp_path / "preempted"
+    argv = flags(tiny_models, tiny_data, out, tmp_path / "cache")
+    process = start(command(1, argv))
+    wait_for_checkpoint(out, "phase1", process)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 143
+    assert "stopped by SIGTERM in phase" in stderr and "--resume_from_checkpoint latest" in stderr
+    finish(command(1, [*argv, "--resume_from_checkpoint", "latest"]))
+    assert max_difference(weights(out), reference[1]) <= 1e-6
+
+
+@pytest.mark.multiprocess
+def test_elastic_restart_resumes_after_one_rank_dies(reference, tiny_models, tiny_data, tmp_path):
+    """Under --max_restarts, a rank killed mid-run makes the group restart and pick up the latest checkpoint."""
+    out = tmp_path / "elastic"
+    argv = flags(tiny_models, tiny_data, out, tmp_path / "cache")
+    process = start(command(2, argv, "--max_restarts", "3", "--monitor_interval", "1"))
+    wait_for_checkpoint(out, "phase1", process)
+    workers = [
+        p
+        for p in psutil.Process(process.pid).children(recursive=True)
+        if "distill.train" in " ".join(p.cmdline()) and p.pid != process.pid
+    ]
+    assert len(workers) == 2
+    workers[-1].kill()
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-4000:]
+    assert "resuming from" in stderr  # the restarted group picked up the checkpoint rather than starting over
+    results = json.loads((out / "results.json").read_text())
+    assert results["world_size"] == 2
+    assert max_difference(weights(out), reference[2]) <= 1e-6
+
+
+@pytest.mark.multiprocess
+def test_two_machines_of_one_process_match_one_machine_of_two(reference, tiny_models, tiny_data, tmp_path):
+    out = tmp_path / "multinode"
+    argv = flags(tiny_models, tiny_data, out, tmp_path / "cache", checkpoint_steps=0)
+    port = str(free_port())
+    machines = [
+        start(
+            command(
+                2,
+                argv,
+                "--num_machines",
+                "2",
+                "--machine_rank",
+                str(rank),
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                port,
+            )
+        )
+        for rank in (0, 1)
+    ]
+    for machine in machines:
+        _, stderr = machine.communicate(timeout=600)
+        assert machine.returncode == 0, stderr[-4000:]
+    assert json.loads((out / "results.json").read_text())["world_size"] == 2
+    assert max_difference(weights(out), reference[2]) <= 1e-6
+
+
+def test_non_finite_loss_stops_with_a_checkpoint_from_before_it(tiny_models, tiny_data, tmp_path, capsys):
+    from distill.train import main
+
+    out = tmp_path / "nan"
+    argv = tiny_run_flags(
+        tiny_models,
+        tiny_data,
+        out,
+        phase1_lr=1e30,
+        max_grad_norm=0,
+        skip_phase2=True,
+        eval_data="none",
+        teacher_cache_dir=tmp_path / "cache",
+        phase1_epochs=3,
+    )
+    assert main(argv) == 3
+    message = capsys.readouterr().err
+    assert "non-finite loss" in message and "in phase1 at optimizer step" in message
+    checkpoint = find_checkpoint(out, "latest")
+    assert checkpoint is not None
+    saved = load_file(str(checkpoint / "model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in saved.values())
+    assert not (out / "results.json").exists()
+
+
+def test_a_checkpoint_from_another_run_is_refused(tmp_path):
+    folder = tmp_path / "checkpoints" / "checkpoint-phase1-0000003"
+    folder.mkdir(parents=True)
+    state = TrainingState(identity={"teacher_model": "teacher-a", "student_model": "s"})
+    (folder / "state.json").write_text(json.dumps(state.__dict__))
+    with pytest.raises(DistillError, match="comes from a different run .*teacher_model: checkpoint has 'teacher-a'"):
+        read_state(folder, {"teacher_model": "teacher-b", "student_model": "s"})
+
+
+def test_latest_ignores_incomplete_checkpoints_and_bad_paths_are_errors(tmp_path):
+    root = tmp_path / "checkpoints"
+    for name, complete in (
+        ("checkpoint-phase1-0000003", True),
+        ("checkpoint-phase2-0000001", True),
+        ("checkpoint-phase2-0000002", False),
+        (".tmp-checkpoint-phase2-0000003", True),
+    ):
+        (root / name).mkdir(parents=True)
+        if complete:
+            (root / name / "state.json").write_text("{}")
+    assert find_checkpoint(tmp_path, "latest").name == "checkpoint-phase2-0000001"
+    assert find_checkpoint(tmp_path / "elsewhere", "latest") is None
+    with pytest.raises(DistillError, match="is not a checkpoint folder"):
+        find_checkpoint(tmp_path, str(root / "checkpoint-phase2-0000002"))
