@@ -116,6 +116,9 @@ class OutputConfig:
     output_dir: str = _opt(default="./checkpoints", help="Where results.json, config.yaml and logs go.")
     save_to_artifacts: bool = _opt(default=False, help="Export the trained student as a SentenceTransformer.")
     artifacts_dir: str = _opt(default="./artifacts", help="Where the exported model folder(s) go.")
+    log_with: str = _opt(
+        default="jsonl", help="Trackers, comma-separated: jsonl (<output_dir>/metrics.jsonl), tensorboard, wandb, none."
+    )
     teacher_cache_dir: str = _opt(
         default=str(Path(os.environ.get("DISTILL_CACHE", "~/.cache/distill")).expanduser() / "teacher"),
         help="Cache of teacher embeddings, keyed by content.",

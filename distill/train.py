@@ -39,7 +39,7 @@ from distill.export import export_models, model_card
 from distill.hub import declared_dimension, resolve_model
 from distill.launch import maybe_relaunch
 from distill.losses import LossWeights
-from distill.report import results_table, write_results
+from distill.report import results_table, write_report, write_results
 from distill.student import (
     DistillationModel,
     check_dimensions,
@@ -49,6 +49,7 @@ from distill.student import (
     matryoshka_dims,
 )
 from distill.teacher import TeacherCache, TeacherSpec
+from distill.tracking import resolve_trackers
 from distill.training import CheckpointSettings, PhaseSettings, TrainingStopped, scaled_lr, train_phase
 
 logger = get_logger(__name__)
@@ -82,7 +83,10 @@ def make_accelerator(config: Config) -> Accelerator:
         # Launched as several processes on a machine without CUDA: without this, accelerate (1.x) makes each
         # process train alone; with it they form one gloo group (DistributedType.MULTI_CPU).
         os.environ["ACCELERATE_USE_CPU"] = "true"
+    names = [n.strip() for n in config.output.log_with.split(",") if n.strip() and n.strip() != "none"]
     return Accelerator(
+        log_with=resolve_trackers(names, config.output.output_dir) or None,
+        project_dir=config.output.output_dir,
         mixed_precision=config.training.mixed_precision,
         gradient_accumulation_steps=config.training.gradient_accumulation_steps,
         dataloader_config=DataLoaderConfiguration(split_batches=True),  # global batches, split over processes
@@ -254,6 +258,11 @@ def eval_inputs(student, data: DistillData, teacher: TeacherVectors) -> EvalInpu
     )
 
 
+def tracker_config(config: Config) -> dict:
+    """The flat config with values every tracker accepts (TensorBoard's hparams take no None or lists)."""
+    return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in to_flat_dict(config).items()}
+
+
 def run_identity(config: Config) -> dict:
     """What a checkpoint must share with the run that resumes it."""
     m = config.model
@@ -281,6 +290,7 @@ def run(config: Config) -> dict:
     output_dir = prepare_output_dir(accelerator, config)
     world = accelerator.num_processes
     phases = [p for p in PHASES if not getattr(config.training, f"skip_{p}")]
+    accelerator.init_trackers("distill", config=tracker_config(config))
     resume = resume_point(config)
     state = read_state(resume, run_identity(config)) if resume else TrainingState(identity=run_identity(config))
     if resume:
@@ -341,6 +351,8 @@ def run(config: Config) -> dict:
         results["exported"] = export_models(accelerator, model, config.output.artifacts_dir, card)
     results["config"] = to_flat_dict(config)
     path = write_results(accelerator, output_dir, results)
+    if accelerator.is_main_process:
+        write_report(output_dir, results)  # leaf writer: report.png and report.md
     accelerator.print(f"\n{table}\n\nresults: {path}")
     accelerator.end_training()
     return results

@@ -60,6 +60,10 @@ def test_tiny_run_projection_mode_end_to_end(tiny_models, tiny_data, tmp_path):
         assert stats["train_samples"] > 0 and stats["train_seconds"] > 0 and stats["teacher_seconds"] >= 0
         assert all(np.isfinite(stats["losses"]))
     assert (out / "config.yaml").is_file()
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| ndcg@10 |" in (out / "report.md").read_text()
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert "config" in logged[0] and any("phase2/loss" in line.get("values", {}) for line in logged[1:])
     # The exported model maps into the teacher's 48-d space; the plain student stays 32-d.
     model = SentenceTransformer(str(out / "artifacts" / "model"), device="cpu")
     student = SentenceTransformer(str(out / "artifacts" / "student"), device="cpu")
