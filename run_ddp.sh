@@ -33,7 +33,15 @@ if [[ -z "$python" ]]; then
 fi
 
 gpus="$("$python" -c 'import torch; print(torch.cuda.device_count())')"
-launch=(-m accelerate.commands.launch --num_machines 1 --num_processes "$num_gpus")
+launch=(-m accelerate.commands.launch)
+if [[ -n "${ACCELERATE_CONFIG:-}" ]]; then  # optional topology file, e.g. accelerate_configs/multi_gpu.yaml
+    if [[ ! -f "$ACCELERATE_CONFIG" ]]; then
+        echo "error: ACCELERATE_CONFIG '$ACCELERATE_CONFIG' does not exist; pass one of accelerate_configs/*.yaml" >&2
+        exit 2
+    fi
+    launch+=(--config_file "$ACCELERATE_CONFIG")
+fi
+launch+=(--num_machines 1 --num_processes "$num_gpus")
 if ((gpus > 0)); then
     if ((num_gpus > gpus)); then
         echo "error: asked for $num_gpus GPUs but $gpus are visible; pass at most $gpus or set CUDA_VISIBLE_DEVICES" >&2

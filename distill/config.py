@@ -139,6 +139,9 @@ class LaunchConfig:
     num_processes: int | None = _opt(
         default=None, help="Processes to run on; when given after the module, distill relaunches itself."
     )
+    accelerate_config: str | None = _opt(
+        default=None, help="accelerate config file (topology) used when distill relaunches itself."
+    )
 
 
 @dataclass
@@ -330,6 +333,12 @@ def validate(config: Config) -> list[str]:
         problems.append(f"checkpoints_total_limit: expected a positive integer, got {limit}")
     if config.launch.num_processes is not None and config.launch.num_processes < 1:
         problems.append(f"num_processes: expected a positive integer, got {config.launch.num_processes}")
+    accelerate_config = config.launch.accelerate_config
+    if accelerate_config is not None and not Path(accelerate_config).expanduser().is_file():
+        problems.append(
+            f"accelerate_config: {accelerate_config!r} does not exist; pass one of accelerate_configs/*.yaml "
+            "or a file written by `accelerate config`"
+        )
     if not 0 <= config.training.warmup_ratio < 1:
         problems.append(f"warmup_ratio: expected a fraction in [0, 1), got {config.training.warmup_ratio}")
     for name in ("weight_decay", "max_grad_norm", "cosine_weight", "mse_weight", "kl_weight"):

@@ -121,6 +121,10 @@ def evaluate_student(
     if model.projection is not None:
         own = EvalVectors(encoded["queries"][0], encoded["corpus"][0], None)
         metrics["ndcg@10_student_dim"] = retrieval_metrics(own.queries, own.corpus, inputs.eval_set.relevant)["ndcg@10"]
+        # Asymmetric retrieval: the exported student's (projected) queries against an index the teacher built.
+        metrics["ndcg@10_asymmetric"] = retrieval_metrics(target.queries, teacher.corpus, inputs.eval_set.relevant)[
+            "ndcg@10"
+        ]
     if matryoshka_dims:
         metrics["matryoshka_ndcg@10"] = {
             str(d): retrieval_metrics(

@@ -39,13 +39,15 @@ def strip_flag(argv: list[str], flag: str) -> list[str]:
     return out
 
 
-def relaunch_command(num_processes: int, argv: list[str]) -> tuple[list[str], dict[str, str]]:
+def relaunch_command(
+    num_processes: int, argv: list[str], accelerate_config: str | None = None
+) -> tuple[list[str], dict[str, str]]:
     """The `accelerate launch` command and environment that run this module on `num_processes` processes."""
     env = dict(os.environ, **{RELAUNCHED: "1"})
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
+    command = [sys.executable, "-m", "accelerate.commands.launch"]
+    if accelerate_config:
+        command += ["--config_file", accelerate_config]
+    command += [
         "--num_processes",
         str(num_processes),
         "--num_machines",
@@ -66,7 +68,7 @@ def check_num_processes(num_processes: int) -> None:
         )
 
 
-def maybe_relaunch(num_processes: int | None, argv: list[str]) -> int | None:
+def maybe_relaunch(num_processes: int | None, argv: list[str], accelerate_config: str | None = None) -> int | None:
     """Exit code of a relaunched run, or None when this process should train itself."""
     world = current_world_size()
     if num_processes is None or num_processes == world:
@@ -85,5 +87,5 @@ def maybe_relaunch(num_processes: int | None, argv: list[str]) -> int | None:
             "distributed path but brings no speed-up over one process.",
             file=sys.stderr,
         )
-    command, env = relaunch_command(num_processes, argv)
+    command, env = relaunch_command(num_processes, argv, accelerate_config)
     return subprocess.call(command, env=env)

@@ -93,10 +93,11 @@ def make_accelerator(config: Config) -> Accelerator:
     )
 
 
-def prepare_output_dir(accelerator: Accelerator, config: Config) -> Path:
-    """Create output_dir and check it is writable, before any expensive work."""
-    output_dir = Path(config.output.output_dir).expanduser()
+def check_output_dir(accelerator: Accelerator, path: str) -> Path:
+    """Fail early if output_dir cannot be written, leaving nothing behind (folders made for the probe are removed)."""
+    output_dir = Path(path).expanduser()
     if accelerator.is_main_process:
+        missing = [p for p in [output_dir, *output_dir.parents] if not p.exists()]
         try:
             output_dir.mkdir(parents=True, exist_ok=True)
             probe = output_dir / f".write-test-{os.getpid()}"
@@ -106,9 +107,34 @@ def prepare_output_dir(accelerator: Accelerator, config: Config) -> Path:
             raise DistillError(
                 f"output_dir {str(output_dir)!r} is not writable ({e.strerror or e}); pass a writable --output_dir"
             ) from None
+        finally:
+            for folder in missing:  # deepest first
+                if folder.is_dir() and not any(folder.iterdir()):
+                    folder.rmdir()
+    accelerator.wait_for_everyone()
+    return output_dir
+
+
+def prepare_output_dir(accelerator: Accelerator, config: Config) -> Path:
+    """Create output_dir with the resolved config.yaml, once the inputs have been validated."""
+    output_dir = Path(config.output.output_dir).expanduser()
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
         dump_config(config, output_dir / "config.yaml")
     accelerator.wait_for_everyone()
     return output_dir
+
+
+def check_phase_sizes(config: Config, data: DistillData, phases: list[str], world: int) -> None:
+    """Every phase needs at least one full global batch (batches are never partial)."""
+    global_batch = config.training.batch_size * world
+    sizes = {"phase1": len(data.phase1_texts), "phase2": len(data.phase2)}
+    for phase in phases:
+        if sizes[phase] < global_batch:
+            raise DistillError(
+                f"{phase} has {sizes[phase]} samples, fewer than one global batch of {global_batch} "
+                f"({config.training.batch_size} per process x {world}); lower --batch_size or give more data"
+            )
 
 
 def passage_texts(pairs: Pairs) -> tuple[list[str], np.ndarray]:
@@ -222,11 +248,6 @@ def phase_loader(config: Config, student, data: DistillData, teacher: TeacherVec
         logger.warning(
             f"{phase}: {truncated} texts are longer than {max_length} tokens and were truncated", main_process_only=True
         )
-    if len(lengths) < global_batch:
-        raise DistillError(
-            f"{phase} has {len(lengths)} samples, fewer than one global batch of {global_batch} "
-            f"({config.training.batch_size} per process x {world}); lower --batch_size or give more data"
-        )
     return make_loader(lengths, global_batch, config.training.seed, collate)
 
 
@@ -287,10 +308,9 @@ def run(config: Config) -> dict:
     """The whole pipeline on this process (one of the launched ones). Returns the results dict."""
     accelerator = make_accelerator(config)
     set_seed(config.training.seed)
-    output_dir = prepare_output_dir(accelerator, config)
+    check_output_dir(accelerator, config.output.output_dir)
     world = accelerator.num_processes
     phases = [p for p in PHASES if not getattr(config.training, f"skip_{p}")]
-    accelerator.init_trackers("distill", config=tracker_config(config))
     resume = resume_point(config)
     state = read_state(resume, run_identity(config)) if resume else TrainingState(identity=run_identity(config))
     if resume:
@@ -300,9 +320,12 @@ def run(config: Config) -> dict:
 
     check_declared_dimensions(config.model)  # before any encoding: a wrong pairing fails in seconds
     data = load_data(config.data, config.training.seed, "phase1" in phases, "phase2" in phases)
+    check_phase_sizes(config, data, phases, world)
     teacher = embed_with_teacher(accelerator, config, data)
     model, dims = build_student(accelerator, config, data, teacher)
     evaluation = eval_inputs(model.student, data, teacher)
+    output_dir = prepare_output_dir(accelerator, config)  # inputs are valid: from here on the run writes
+    accelerator.init_trackers("distill", config=tracker_config(config))
     eval_batch = 2 * config.training.batch_size
     checkpoints = CheckpointSettings(
         output_dir, config.checkpoint.checkpoint_steps, config.checkpoint.checkpoints_total_limit
@@ -371,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         config = load_config(argv)
-        code = maybe_relaunch(config.launch.num_processes, argv)
+        code = maybe_relaunch(config.launch.num_processes, argv, config.launch.accelerate_config)
         if code is not None:
             return code
         _quiet_libraries()

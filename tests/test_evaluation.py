@@ -203,6 +203,43 @@ def test_evaluate_student_matches_direct_encoding(accelerator: Accelerator, tiny
     assert "matryoshka_ndcg@10" not in metrics
 
 
+def test_asymmetric_retrieval_scores_student_queries_against_teacher_corpus(
+    accelerator: Accelerator, tiny_models: dict[str, Path]
+) -> None:
+    student = SentenceTransformer(str(tiny_models["student"]), device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    projection = least_squares_projection(
+        torch.randn(128, 32, generator=generator), torch.randn(128, 48, generator=generator)
+    )
+    model = DistillationModel(student, projection)
+    queries, corpus = sentences(8, seed=5), sentences(14, seed=6)
+    relevant = [7 - i for i in range(8)]  # query i's passage sits at corpus row 7 - i
+    eval_set = EvalSet(queries, corpus, relevant)
+    with torch.no_grad():
+        own_q = torch.from_numpy(student.encode(queries))
+        projected_q = projection({"sentence_embedding": own_q})["sentence_embedding"].numpy()  # (8, 48)
+    rng = np.random.default_rng(2)
+    # The teacher's corpus holds each query's own projected vector at its relevant row: a perfect asymmetric
+    # ranking, while the teacher's queries are noise, so a symmetric teacher-vs-teacher score would not be 1.
+    teacher_corpus = rng.standard_normal((14, 48))
+    teacher_corpus[relevant] = projected_q
+    teacher = EvalVectors(rng.standard_normal((8, 48)), teacher_corpus, None)
+    inputs = EvalInputs(
+        eval_set,
+        TokenizedTexts(student.tokenizer, queries, student.max_seq_length),
+        TokenizedTexts(student.tokenizer, corpus, student.max_seq_length),
+        None,
+        teacher,
+    )
+    metrics = evaluate_student(accelerator, model, inputs, batch_size=3, matryoshka_dims=None)
+    assert metrics["ndcg@10_asymmetric"] == pytest.approx(1.0, abs=1e-6)
+    # against a different teacher corpus it is exactly the retrieval metric of projected queries on that corpus
+    teacher.corpus = rng.standard_normal((14, 48))
+    metrics = evaluate_student(accelerator, model, inputs, batch_size=3, matryoshka_dims=None)
+    expected = retrieval_metrics(projected_q, teacher.corpus, relevant)["ndcg@10"]
+    assert metrics["ndcg@10_asymmetric"] == pytest.approx(expected, abs=1e-4)
+
+
 def test_evaluate_student_matryoshka(accelerator: Accelerator, tiny_models: dict[str, Path]) -> None:
     student = SentenceTransformer(str(tiny_models["student"]), device="cpu")
     model = DistillationModel(student)
@@ -220,6 +257,7 @@ def test_evaluate_student_matryoshka(accelerator: Accelerator, tiny_models: dict
     metrics = evaluate_student(accelerator, model, inputs, batch_size=4, matryoshka_dims=[32, 16, 8])
     own_q, own_c = student.encode(queries), student.encode(corpus)
     assert "ndcg@10_student_dim" not in metrics
+    assert "ndcg@10_asymmetric" not in metrics  # only in projection mode, where the spaces are the teacher's
     assert set(metrics["matryoshka_ndcg@10"]) == {"32", "16", "8"}
     for dim in (32, 16, 8):
         expected = retrieval_metrics(own_q[:, :dim], own_c[:, :dim], list(range(10)))["ndcg@10"]

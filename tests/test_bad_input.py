@@ -1,0 +1,160 @@
+"""Bad input: one clear `error:` line, exit code 2, and nothing written to the output folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_run_flags
+from distill.train import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def remote_code_model(tiny_models, tmp_path: Path) -> Path:
+    """A copy of the tiny student whose config asks for custom modelling code."""
+    folder = tmp_path / "remote"
+    shutil.copytree(tiny_models["student"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(
+        model_type="tiny_custom",
+        auto_map={"AutoConfig": "configuration_tiny.TinyConfig", "AutoModel": "modeling_tiny.TinyModel"},
+    )
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "configuration_tiny.py").write_text(
+        "from transformers import BertConfig\n\nclass TinyConfig(BertConfig):\n    model_type = 'tiny_custom'\n"
+    )
+    (folder / "modeling_tiny.py").write_text(
+        "from transformers import BertModel\nfrom .configuration_tiny import TinyConfig\n\n"
+        "class TinyModel(BertModel):\n    config_class = TinyConfig\n"
+    )
+    return folder
+
+
+CASES = {
+    "missing data file": (
+        lambda m, d, t: {"phase1_data": t / "missing.jsonl"},
+        r"data file '.*missing.jsonl' does not exist",
+    ),
+    "wrong extension": (
+        lambda m, d, t: {"phase1_data": shutil.copy(d["texts"], t / "texts.docx")},
+        r"unsupported extension '.docx'; use one of",
+    ),
+    "missing passage column": (
+        lambda m, d, t: {"phase2_data": write_jsonl(t / "p.jsonl", [{"query": "q", "foo": "x"}] * 20)},
+        r"no phase-2 passage column: expected one of passage, .* found query, foo; rename the column",
+    ),
+    "only empty or non-string texts": (
+        lambda m, d, t: {"phase1_data": write_jsonl(t / "e.jsonl", [{"text": "  "}, {"text": 3}, {"text": None}])},
+        r"phase-1 data .* has no usable text after dropping empty and non-string rows",
+    ),
+    "too few samples for one batch": (
+        lambda m, d, t: {"phase1_data": write_jsonl(t / "few.jsonl", [{"text": f"text {i}"} for i in range(5)])},
+        r"phase1 has 5 samples, fewer than one global batch of 8 .* lower --batch_size",
+    ),
+    "teacher narrower than student in MRL mode": (
+        lambda m, d, t: {"student_model": m["wide_student"], "use_projection": False},
+        r"teacher's 48-d embeddings to the student's 64 dimensions, but the teacher is narrower",
+    ),
+    "unknown offline model": (
+        lambda m, d, t: {"teacher_model": "someone/no-such-model"},
+        r"model 'someone/no-such-model' cannot be found .* models usable offline: a local SentenceTransformer folder",
+    ),
+    "model that needs remote code": (
+        lambda m, d, t: {"student_model": remote_code_model(m, t)},
+        r"ships its own code, which runs only if you allow it: pass --trust_remote_code",
+    ),
+    "output folder that is not writable": (
+        lambda m, d, t: {"output_dir": d["texts"] / "inside-a-file"},
+        r"output_dir '.*inside-a-file' is not writable .* pass a writable --output_dir",
+    ),
+    "zero learning rate": (lambda m, d, t: {"phase2_lr": 0}, r"phase2_lr: expected a number greater than 0, got 0"),
+    "negative epochs and batch": (
+        lambda m, d, t: {"phase1_epochs": -1, "batch_size": 0},
+        r"batch_size: expected a number greater than 0, got 0; phase1_epochs: expected a number greater than 0",
+    ),
+    "missing accelerate config": (
+        lambda m, d, t: {"accelerate_config": t / "nope.yaml"},
+        r"accelerate_config: '.*nope.yaml' does not exist; pass one of accelerate_configs/",
+    ),
+    "resume from something that is not a checkpoint": (
+        lambda m, d, t: {"resume_from_checkpoint": t},
+        r"resume_from_checkpoint: '.*' is not a checkpoint folder",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_line_exit_2_and_nothing_written(case, tiny_models, tiny_data, tmp_path, capsys):
+    make_overrides, pattern = CASES[case]
+    out = tmp_path / "out"
+    overrides = {
+        "output_dir": out,
+        "teacher_cache_dir": tmp_path / "cache",
+        **make_overrides(tiny_models, tiny_data, tmp_path),
+    }
+    assert main(tiny_run_flags(tiny_models, tiny_data, **{"out": out, **overrides})) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1, lines
+    assert "Traceback" not in "\n".join(lines)
+    import re
+
+    assert re.search(pattern, errors[0]), errors[0]
+    assert not out.exists() or not any(out.iterdir()), sorted(out.rglob("*"))
+
+
+@pytest.mark.multiprocess
+def test_bad_input_on_two_processes_prints_one_error_line(tiny_models, tiny_data, tmp_path):
+    flags = tiny_run_flags(
+        tiny_models, tiny_data, tmp_path / "out", phase1_data=tmp_path / "missing.txt", num_processes=2
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "distill.train", *flags], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode != 0
+    ours = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and "missing.txt' does not exist" in ours[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_resume_loads_no_pickle(tiny_models, tiny_data, tmp_path, monkeypatch):
+    """Every torch.load while resuming is weights_only: a checkpoint cannot run code."""
+    out = tmp_path / "run"
+    flags = tiny_run_flags(
+        tiny_models,
+        tiny_data,
+        out,
+        checkpoint_steps=5,
+        skip_phase2=True,
+        eval_data="none",
+        teacher_cache_dir=tmp_path / "cache",
+    )
+    assert main(flags) == 0
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    calls = []
+    real_load = torch.load
+
+    def checked_load(*args, **kwargs):
+        calls.append(kwargs.get("weights_only"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", checked_load)
+    assert main([*flags, "--resume_from_checkpoint", "latest"]) == 0
+    assert calls and all(flag is True for flag in calls), calls
