@@ -129,6 +129,10 @@ class OutputConfig:
 class CheckpointConfig:
     checkpoint_steps: int = _opt(default=0, help="Save a checkpoint every N optimizer steps (0: only on SIGTERM/NaN).")
     checkpoints_total_limit: int = _opt(default=2, help="Checkpoints kept in <output_dir>/checkpoints (oldest go).")
+    eval_steps: int = _opt(default=0, help="Evaluate every N optimizer steps (0: only at the end of each phase).")
+    keep_best: bool = _opt(
+        default=False, help="With eval_steps: keep each phase's best model (by nDCG@10) in <output_dir>/best/<phase>."
+    )
     resume_from_checkpoint: str | None = _opt(
         default=None, help="'latest' (newest in output_dir, if any) or a checkpoint folder to continue from."
     )
@@ -328,6 +332,8 @@ def validate(config: Config) -> list[str]:
         problems.append(
             f"checkpoint_steps: expected 0 (off) or a positive integer, got {config.checkpoint.checkpoint_steps}"
         )
+    if config.checkpoint.eval_steps < 0:
+        problems.append(f"eval_steps: expected 0 (off) or a positive integer, got {config.checkpoint.eval_steps}")
     if config.checkpoint.checkpoints_total_limit < 1:
         limit = config.checkpoint.checkpoints_total_limit
         problems.append(f"checkpoints_total_limit: expected a positive integer, got {limit}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -304,6 +305,34 @@ def resume_point(config: Config) -> Path | None:
     return find_checkpoint(config.output.output_dir, spec) if spec else None
 
 
+def periodic_evaluation(
+    accelerator: Accelerator,
+    config: Config,
+    evaluation: EvalInputs | None,
+    dims: list[int] | None,
+    phase: str,
+    results: dict,
+    output_dir: Path,
+) -> Callable[[DistillationModel, int], None] | None:
+    """With --eval_steps: an evaluation run on every process mid-phase, logged, keeping the best model if asked."""
+    if evaluation is None or not config.checkpoint.eval_steps:
+        return None
+    history = results.setdefault("evaluations", {}).setdefault(phase, [])
+    best = [max((h["ndcg@10"] for h in history), default=float("-inf"))]
+
+    def evaluate(model: DistillationModel, step: int) -> None:
+        metrics = evaluate_student(accelerator, model, evaluation, 2 * config.training.batch_size, dims)
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, float)}
+        history.append({"step": step, **scalars})
+        accelerator.log({f"{phase}/eval/{k}": v for k, v in scalars.items()})
+        if config.checkpoint.keep_best and metrics["ndcg@10"] > best[0]:
+            best[0] = metrics["ndcg@10"]
+            card = model_card(to_flat_dict(config), f"best of {phase} at optimizer step {step}: {scalars}", {})
+            export_models(accelerator, model, output_dir / "best" / phase, card)
+
+    return evaluate
+
+
 def run(config: Config) -> dict:
     """The whole pipeline on this process (one of the launched ones). Returns the results dict."""
     accelerator = make_accelerator(config)
@@ -351,6 +380,8 @@ def run(config: Config) -> dict:
             state,
             checkpoints,
             resume if resume is not None and phase == state.phase else None,
+            periodic_evaluation(accelerator, config, evaluation, dims, phase, results, output_dir),
+            config.checkpoint.eval_steps,
         )
         resume = None
         results["phases"][phase] = {

@@ -13,6 +13,7 @@ import math
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,10 +140,13 @@ def train_phase(
     state: TrainingState,
     checkpoints: CheckpointSettings,
     resume: Path | None = None,
+    evaluate: Callable[[DistillationModel, int], None] | None = None,
+    eval_steps: int = 0,
 ) -> DistillationModel:
     """Train `model` for one phase, continuing `state` from the checkpoint `resume` if given.
 
-    Updates `state` (losses, steps, samples, seconds) in place and returns the unwrapped model.
+    Updates `state` (losses, steps, samples, seconds) in place and returns the unwrapped model. With
+    `eval_steps`, `evaluate(model, step)` runs on every process every that many optimizer steps.
     """
     optimizer = make_optimizer(model, settings.lr, settings.weight_decay)
     sampler = loader.batch_sampler
@@ -221,6 +225,8 @@ def train_phase(
                     f"saved to {path}; continue with --resume_from_checkpoint latest",
                     exit_code=143,
                 )
+            if evaluate is not None and eval_steps and state.optimizer_steps % eval_steps == 0:
+                evaluate(accelerator.unwrap_model(wrapped), state.optimizer_steps)  # collective: all ranks
             if checkpoints.every and state.optimizer_steps % checkpoints.every == 0:
                 save_checkpoint(accelerator, checkpoints.output_dir, state, checkpoints.limit)
         state.batches_done = window_start = 0

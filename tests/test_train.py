@@ -191,3 +191,18 @@ def test_num_processes_after_the_module_relaunches(tiny_models, tiny_data, tmp_p
     )
     assert results_of(out)["world_size"] == 2
     assert "no CUDA GPU" in done.stderr or torch.cuda.is_available()
+
+
+def test_eval_steps_log_mid_phase_and_keep_the_best_model(tiny_models, tiny_data, tmp_path):
+    out = tmp_path / "evals"
+    assert main(tiny_run_flags(tiny_models, tiny_data, out, eval_steps=4, keep_best=True, phase2_epochs=2)) == 0
+    results = results_of(out)
+    for phase, stats in results["phases"].items():
+        history = results["evaluations"][phase]
+        assert [h["step"] for h in history] == list(range(4, stats["optimizer_steps"] + 1, 4))
+        best = max(h["ndcg@10"] for h in history)
+        kept = SentenceTransformer(str(out / "best" / phase / "model"), device="cpu")
+        assert kept.encode(["a river"]).shape == (1, 48)
+        assert f"{best}" in (out / "best" / phase / "model" / "README.md").read_text()
+    logged = (out / "metrics.jsonl").read_text()
+    assert "phase1/eval/ndcg@10" in logged and "phase2/eval/ndcg@10" in logged
