@@ -159,9 +159,15 @@ class TeacherCache:
         started = time.perf_counter()
         vectors = self._encode_sharded(texts, role)
         self.seconds += time.perf_counter() - started
+        problem = None
         if self.accelerator.is_local_main_process:
-            write_entry(entry, key, vectors, role, self.spec)
+            try:
+                write_entry(entry, key, vectors, role, self.spec)
+            except DistillError as e:
+                problem = str(e)  # raised after the barrier, so no process is left waiting in it
         self.accelerator.wait_for_everyone()
+        if problem:
+            raise DistillError(problem)
         cached = read_entry(entry, key, len(texts))
         if cached is None:
             raise DistillError(

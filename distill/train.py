@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.logging import get_logger
-from accelerate.utils import set_seed
+from accelerate.utils import broadcast_object_list, set_seed
 
 from distill.batching import Phase1Batches, Phase2Batches, TokenizedTexts, make_loader
 from distill.checkpoint import PHASES, TrainingState, find_checkpoint, read_state
@@ -95,8 +95,12 @@ def make_accelerator(config: Config) -> Accelerator:
 
 
 def check_output_dir(accelerator: Accelerator, path: str) -> Path:
-    """Fail early if output_dir cannot be written, leaving nothing behind (folders made for the probe are removed)."""
+    """Fail early if output_dir cannot be written, leaving nothing behind (folders made for the probe are removed).
+
+    The main process probes and tells every process the verdict, so all of them stop, none waits alone.
+    """
     output_dir = Path(path).expanduser()
+    problem = [None]
     if accelerator.is_main_process:
         missing = [p for p in [output_dir, *output_dir.parents] if not p.exists()]
         try:
@@ -105,14 +109,17 @@ def check_output_dir(accelerator: Accelerator, path: str) -> Path:
             probe.write_text("ok")
             probe.unlink()
         except OSError as e:
-            raise DistillError(
+            problem[0] = (
                 f"output_dir {str(output_dir)!r} is not writable ({e.strerror or e}); pass a writable --output_dir"
-            ) from None
+            )
         finally:
             for folder in missing:  # deepest first
                 if folder.is_dir() and not any(folder.iterdir()):
                     folder.rmdir()
-    accelerator.wait_for_everyone()
+    if accelerator.num_processes > 1:
+        broadcast_object_list(problem)
+    if problem[0]:
+        raise DistillError(problem[0])
     return output_dir
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
-from conftest import sentences
 from sentence_transformers import SentenceTransformer
 
+from conftest import sentences
 from distill.batching import (
     LengthGroupedBatchSampler,
     Phase1Batches,

@@ -11,10 +11,10 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
-from conftest import sentences
 from scipy.stats import spearmanr
 from sentence_transformers import SentenceTransformer
 
+from conftest import sentences
 from distill.batching import TokenizedTexts
 from distill.data import EvalSet
 from distill.evaluation import (

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import sentences
 from sentence_transformers import SentenceTransformer
 
+from conftest import sentences
 from distill import export
 from distill.errors import DistillError
 from distill.export import deployable_model, model_card, save_atomic

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
-from conftest import sentences
 
 import distill.teacher as teacher_module
+from conftest import sentences
 from distill.config import ModelConfig
 from distill.teacher import TeacherCache, TeacherSpec, texts_fingerprint
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_run_flags
 from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer
 
+from conftest import tiny_run_flags
 from distill.train import main
 
 REPO = Path(__file__).resolve().parents[1]
