@@ -153,27 +153,36 @@ def map_sharded(
     batch_size: int,
     encode_batch: Callable[[list[int]], torch.Tensor],
     chunk_size: int = 1024,
-) -> np.ndarray:
-    """Run `encode_batch` over all items, each process on its share, longest first; every rank gets all rows.
+    sink: Callable[[np.ndarray, np.ndarray], None] | None = None,
+) -> np.ndarray | None:
+    """Run `encode_batch` over all items, each process on its share, longest first.
 
     Shares are padded to equal length (`split_between_processes(apply_padding=True)`) and gathered every
     `chunk_size` items, so each rank makes the same number of collective calls and memory stays bounded.
-    Returns (len(lengths), dim) float32.
+    Each gathered chunk goes to `sink(indices, vectors)`; without a sink the rows are collected and
+    returned as one (len(lengths), dim) float32 array (for small sets, e.g. evaluation).
     """
     order = np.random.default_rng(len(lengths)).permutation(len(lengths)).tolist()  # balances lengths over ranks
     with accelerator.split_between_processes(order, apply_padding=True) as shard:
         shard = list(shard)
     shard = [shard[j] for j in np.argsort(-np.asarray(lengths)[shard], kind="stable")]
-    out: np.ndarray | None = None
+    collected: list[tuple[np.ndarray, np.ndarray]] = []
     for start in range(0, len(shard), chunk_size):
         chunk = shard[start : start + chunk_size]
         vectors = torch.cat([encode_batch(chunk[b : b + batch_size]) for b in range(0, len(chunk), batch_size)])
         vectors, indices = accelerator.gather(
             (vectors.float().contiguous(), torch.tensor(chunk, device=vectors.device))
         )
-        if out is None:
-            out = np.zeros((len(lengths), vectors.shape[1]), dtype=np.float32)
-        out[indices.cpu().numpy()] = vectors.cpu().numpy()
-    if out is None:
+        pair = (indices.cpu().numpy(), vectors.cpu().numpy())
+        if sink is not None:
+            sink(*pair)
+        else:
+            collected.append(pair)
+    if sink is not None:
+        return None
+    if not collected:
         raise ValueError("map_sharded needs at least one item")
+    out = np.zeros((len(lengths), collected[0][1].shape[1]), dtype=np.float32)
+    for indices, vectors in collected:
+        out[indices] = vectors  # padded duplicates rewrite the same row with the same vector
     return out

@@ -19,6 +19,9 @@ class LossWeights:
     mse: float = 1.0
     kl: float = 1.0
     temperature: float = 0.05
+    # MRL: the similarity loss at every dim d targets the teacher's similarities at the full (student) width,
+    # instead of those of the teacher truncated to d (which a non-Matryoshka teacher ranks poorly at small d).
+    matryoshka_full_teacher_similarity: bool = False
 
 
 def truncate(vectors: torch.Tensor, dim: int) -> torch.Tensor:
@@ -65,7 +68,10 @@ def similarity_kl_loss(
     total = student_queries.new_zeros(())
     query_spaces = _spaces(student_queries.float(), teacher_queries.float(), dims)
     passage_spaces = _spaces(student_passages.float(), teacher_passages.float(), dims)
+    full_teacher = weights.matryoshka_full_teacher_similarity and dims is not None
     for (sq, tq), (sp, tp) in zip(query_spaces, passage_spaces):
+        if full_teacher:  # the first space is the full width (dims are sorted largest first)
+            tq, tp = query_spaces[0][1], passage_spaces[0][1]
         student_scores = F.normalize(sq, dim=-1) @ F.normalize(sp, dim=-1).T / weights.temperature  # (q, p)
         teacher_scores = F.normalize(tq, dim=-1) @ F.normalize(tp, dim=-1).T / weights.temperature  # (q, p)
         total = total + F.kl_div(

@@ -157,14 +157,14 @@ class TeacherCache:
             )
         self.accelerator.wait_for_everyone()  # every rank has decided before the writer replaces anything
         started = time.perf_counter()
-        vectors = self._encode_sharded(texts, role)
+        # Only one process per machine writes; the others gather the same chunks and drop them, so no rank
+        # ever holds all the vectors in memory.
+        writer = (
+            CacheWriter(entry, key, len(texts), role, self.spec) if self.accelerator.is_local_main_process else None
+        )
+        self._encode_sharded(texts, role, writer.write if writer else lambda indices, vectors: None)
         self.seconds += time.perf_counter() - started
-        problem = None
-        if self.accelerator.is_local_main_process:
-            try:
-                write_entry(entry, key, vectors, role, self.spec)
-            except DistillError as e:
-                problem = str(e)  # raised after the barrier, so no process is left waiting in it
+        problem = writer.commit() if writer else None  # an error is raised after the barrier: nobody waits alone
         self.accelerator.wait_for_everyone()
         if problem:
             raise DistillError(problem)
@@ -176,8 +176,8 @@ class TeacherCache:
             )
         return cached
 
-    def _encode_sharded(self, texts: list[str], role: Role) -> np.ndarray:
-        """Each process encodes its share of the texts, sorted by token length; every rank gets all rows."""
+    def _encode_sharded(self, texts: list[str], role: Role, sink) -> None:  # noqa: ANN001
+        """Each process encodes its share of the texts, sorted by token length; `sink` gets every gathered chunk."""
         teacher = self._load()
         prompt = self.spec.query_prompt if role == "query" else ""
         lengths = token_lengths(teacher, [prompt + t for t in texts], teacher.max_seq_length)
@@ -192,7 +192,7 @@ class TeacherCache:
                 show_progress_bar=False,
             )
 
-        return map_sharded(self.accelerator, np.asarray(lengths), self.batch_size, encode).astype(CACHE_DTYPE)
+        map_sharded(self.accelerator, np.asarray(lengths), self.batch_size, encode, sink=sink)
 
     def _load(self):  # noqa: ANN202
         if self.teacher is None:
@@ -242,37 +242,69 @@ def read_entry(entry: Path, key: str, count: int) -> np.ndarray | None:
     return vectors
 
 
-def write_entry(entry: Path, key: str, vectors: np.ndarray, role: Role, spec: TeacherSpec) -> None:
-    """Write to a temporary folder beside the entry, then rename it into place."""
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    staging = entry.parent / f".{entry.name}.tmp-{socket.gethostname()}-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
-        np.save(staging / "embeddings.npy", vectors)
-        manifest = {
-            "key": key,
-            "count": int(vectors.shape[0]),
-            "dim": int(vectors.shape[1]),
-            "dtype": np.dtype(CACHE_DTYPE).name,
-            "bytes": (staging / "embeddings.npy").stat().st_size,
-            "role": role,
-            "teacher": spec.path,
-            "revision": spec.revision,
-            "prompt": spec.query_prompt if role == "query" else "",
-            "max_seq_length": spec.max_seq_length,
-        }
-        (staging / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        if entry.exists():  # a corrupt entry: move it aside, then swap in the good one
-            stale = entry.parent / f".{entry.name}.stale-{os.getpid()}"
-            os.replace(entry, stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        os.replace(staging, entry)
-    except OSError as e:
-        shutil.rmtree(staging, ignore_errors=True)
-        if read_entry(entry, key, int(vectors.shape[0])) is not None:
-            return  # another machine sharing this folder wrote the same entry first
-        raise DistillError(
-            f"cannot write the teacher cache under {entry.parent} ({e.strerror or e}); make it writable, free "
-            "space, or pass --teacher_cache_dir elsewhere"
-        ) from None
+class CacheWriter:
+    """Streams gathered vectors into `<entry>.tmp-*/embeddings.npy` (a memory map), then renames it into place.
+
+    Write errors (a full disk) are remembered, not raised, so the writer keeps taking part in the gathers;
+    `commit` returns the error message, or None once the entry is in place.
+    """
+
+    def __init__(self, entry: Path, key: str, count: int, role: Role, spec: TeacherSpec):
+        self.entry, self.key, self.count, self.role, self.spec = entry, key, count, role, spec
+        self.staging = entry.parent / f".{entry.name}.tmp-{socket.gethostname()}-{os.getpid()}"
+        self.vectors: np.ndarray | None = None
+        self.problem: str | None = None
+
+    def write(self, indices: np.ndarray, vectors: np.ndarray) -> None:
+        if self.problem:
+            return
+        try:
+            if self.vectors is None:
+                self.entry.parent.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(self.staging, ignore_errors=True)
+                self.staging.mkdir()
+                self.vectors = np.lib.format.open_memmap(
+                    self.staging / "embeddings.npy", mode="w+", dtype=CACHE_DTYPE, shape=(self.count, vectors.shape[1])
+                )
+            self.vectors[indices] = vectors.astype(CACHE_DTYPE)
+        except OSError as e:
+            self._fail(e)
+
+    def commit(self) -> str | None:
+        if self.problem is None and self.vectors is not None:
+            try:
+                dim = int(self.vectors.shape[1])
+                self.vectors.flush()
+                self.vectors = None  # close the memory map before the rename
+                manifest = {
+                    "key": self.key,
+                    "count": self.count,
+                    "dim": dim,
+                    "dtype": np.dtype(CACHE_DTYPE).name,
+                    "bytes": (self.staging / "embeddings.npy").stat().st_size,
+                    "role": self.role,
+                    "teacher": self.spec.path,
+                    "revision": self.spec.revision,
+                    "prompt": self.spec.query_prompt if self.role == "query" else "",
+                    "max_seq_length": self.spec.max_seq_length,
+                }
+                (self.staging / "manifest.json").write_text(json.dumps(manifest, indent=2))
+                if self.entry.exists():  # a corrupt entry: move it aside, then swap in the good one
+                    stale = self.entry.parent / f".{self.entry.name}.stale-{os.getpid()}"
+                    os.replace(self.entry, stale)
+                    shutil.rmtree(stale, ignore_errors=True)
+                os.replace(self.staging, self.entry)
+            except OSError as e:
+                if read_entry(self.entry, self.key, self.count) is None:
+                    self._fail(e)
+                # else: another machine sharing this folder wrote the same entry first
+        shutil.rmtree(self.staging, ignore_errors=True)
+        return self.problem
+
+    def _fail(self, error: OSError) -> None:
+        self.vectors = None
+        self.problem = (
+            f"cannot write the teacher cache under {self.entry.parent} ({error.strerror or error}); make it "
+            "writable, free space, or pass --teacher_cache_dir elsewhere"
+        )
+

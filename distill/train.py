@@ -17,6 +17,7 @@ or with `--num_processes N` anywhere (distill relaunches itself through accelera
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import time
@@ -419,6 +420,21 @@ def run(config: Config) -> dict:
     return results
 
 
+def _return_freed_memory_to_the_os() -> None:
+    """Serve large blocks (>= 1 MiB) with mmap, so freed activations go back to the OS.
+
+    Every batch has a different shape; with glibc's default adaptive threshold the freed activation
+    blocks stay in the heap and the resident size ratchets up step after step (measured: 1.6 GiB between
+    steps instead of 0.8 GiB on the demo's phase 2). Set MALLOC_MMAP_THRESHOLD_ yourself to override.
+    """
+    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # -3 is glibc's M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to tune
+
+
 def _quiet_libraries() -> None:
     import transformers
 
@@ -436,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         if code is not None:
             return code
         _quiet_libraries()
+        _return_freed_memory_to_the_os()
         started = time.perf_counter()
         run(config)
         logger.info(f"done in {time.perf_counter() - started:.1f}s", main_process_only=True)

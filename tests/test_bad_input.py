@@ -81,6 +81,10 @@ CASES = {
         lambda m, d, t: {"output_dir": d["texts"] / "inside-a-file"},
         r"output_dir '.*inside-a-file' is not writable .* pass a writable --output_dir",
     ),
+    "teacher cache folder that is not writable": (
+        lambda m, d, t: {"teacher_cache_dir": d["texts"] / "inside-a-file"},
+        r"cannot write the teacher cache under .*inside-a-file .* pass --teacher_cache_dir elsewhere",
+    ),
     "zero learning rate": (lambda m, d, t: {"phase2_lr": 0}, r"phase2_lr: expected a number greater than 0, got 0"),
     "negative epochs and batch": (
         lambda m, d, t: {"phase1_epochs": -1, "batch_size": 0},

@@ -147,6 +147,21 @@ def test_similarity_kl_matryoshka_dims() -> None:
     assert loss.item() == pytest.approx(sum(per_dim) / 2, rel=1e-4)
 
 
+def test_similarity_kl_matryoshka_full_teacher_similarity() -> None:
+    sq, sp = random_unit(3, 8, seed=11), random_unit(5, 8, seed=12)
+    tq, tp = random_unit(3, 8, seed=13), random_unit(5, 8, seed=14)
+    weights = LossWeights(temperature=0.2, matryoshka_full_teacher_similarity=True)
+    # every truncated student space is compared with the teacher's full-width similarities
+    per_dim = [
+        reference_kl(truncate(sq, d).numpy(), truncate(sp, d).numpy(), tq.numpy(), tp.numpy(), 0.2) for d in (8, 4)
+    ]
+    loss = similarity_kl_loss(sq, sp, tq, tp, weights, dims=[8, 4])
+    assert loss.item() == pytest.approx(sum(per_dim) / 2, rel=1e-4)
+    # without Matryoshka dims the option changes nothing
+    plain = similarity_kl_loss(sq, sp, tq, tp, LossWeights(temperature=0.2))
+    assert similarity_kl_loss(sq, sp, tq, tp, weights).item() == pytest.approx(plain.item(), rel=1e-6)
+
+
 def test_similarity_kl_gradient_reaches_student_only() -> None:
     sq = random_unit(3, 8, seed=15).requires_grad_()
     sp = random_unit(5, 8, seed=16).requires_grad_()
