@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint bench clean quality
 
 setup: $(STAMP)
 
@@ -21,12 +21,21 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m distill.train --config configs/demo.yaml
 
+# distill vs sentence-transformers' own recipe on the demo, side by side; writes docs/QUALITY.md (~15 min)
+quality: $(STAMP)
+	$(BIN)/python bench/quality.py --config configs/demo.yaml
+
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check distill tests
-	$(BIN)/ruff format --check distill tests
+	$(BIN)/ruff check distill tests bench
+	$(BIN)/ruff format --check distill tests bench
+
+# The toolkit against sentence-transformers' recipe and a bare loop, plus --memory and --scaling
+# (about 1 h 15 min on 2 CPU cores; run it on a quiet machine). Writes docs/BENCHMARKS.md.
+bench: $(STAMP)
+	$(BIN)/python bench/run.py --all $(BENCH_FLAGS)
 
 clean:
 	rm -rf runs $(VENV)

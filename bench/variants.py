@@ -1,0 +1,217 @@
+"""The benchmark's variants that are not the toolkit itself, each run alone in its own process by bench/run.py.
+
+    python bench/variants.py VARIANT SPEC.json RESULT.json
+
+- `eval_teacher`: writes the evaluation set (queries, corpus, relevant) and scores the teacher on it, once.
+- `peer`: sentence-transformers' own recipe: teacher `encode` into a label column, then
+  `SentenceTransformerTrainer` + `MSELoss` (random batches, as the trainer makes them), then scored.
+- `floor_grouped` / `floor_random`: the bare cost of the student: a plain PyTorch loop (forward, the toolkit's
+  alignment loss to precomputed teacher vectors, backward, AdamW step) over pre-collated batches: the
+  toolkit's own length-grouped batches, or random batches padded to their longest member.
+- `score`: nDCG@10 of saved SentenceTransformer folders (the toolkit's exported students).
+
+Every variant writes its figures as JSON; the parent reads its peak RSS from the kernel (wait4).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+EVAL_BATCH = 64
+
+
+def load_texts(spec: dict) -> list[str]:
+    """The workload exactly as the toolkit reads it (same cleaning, same cap)."""
+    from accelerate import PartialState
+
+    from distill.data import load_phase1_texts
+
+    PartialState()  # distill's loaders log through accelerate, which wants its state initialised
+    return load_phase1_texts(spec["texts_file"], spec["samples"])
+
+
+def load_eval(spec: dict) -> dict:
+    return json.loads(Path(spec["eval_file"]).read_text())
+
+
+def retrieval_scores(model, evaluation: dict, max_length: int) -> dict[str, float]:  # noqa: ANN001
+    """nDCG@10 / MRR@10 of a SentenceTransformer on the evaluation set, scored as the toolkit scores."""
+    from distill.evaluation import retrieval_metrics
+
+    model.eval()
+    model.max_seq_length = max_length
+    kwargs = {"batch_size": EVAL_BATCH, "normalize_embeddings": True, "show_progress_bar": False}
+    queries = model.encode(evaluation["queries"], **kwargs)
+    corpus = model.encode(evaluation["corpus"], **kwargs)
+    return retrieval_metrics(queries, corpus, evaluation["relevant"])
+
+
+def eval_teacher(spec: dict) -> dict:
+    """Build the evaluation set once (file shared by every variant) and score the teacher on it."""
+    from distill.data import embedded_eval_set
+    from distill.teacher import load_teacher
+
+    e = embedded_eval_set(spec["seed"], spec["eval_queries"])
+    queries, corpus, relevant = e.queries, e.corpus, e.relevant
+    if spec.get("eval_corpus_of_queries_only"):  # --quick: a small corpus, only the queries' own passages
+        corpus, relevant = [corpus[r] for r in relevant], list(range(len(relevant)))
+    evaluation = {"queries": queries, "corpus": corpus, "relevant": relevant}
+    Path(spec["eval_file"]).write_text(json.dumps(evaluation))
+    teacher = load_teacher(spec["teacher"], "cpu")
+    return {"queries": len(queries), "corpus": len(corpus), **retrieval_scores(teacher, evaluation, spec["max_length"])}
+
+
+def peer(spec: dict) -> dict:
+    """sentence-transformers' recipe: encode into a label column, then the trainer with MSELoss."""
+    from datasets import Dataset
+    from transformers import set_seed
+
+    from distill.hub import resolve_model
+
+    texts = load_texts(spec)
+    # The teacher's time starts before sentence-transformers is first imported, as in the toolkit, which
+    # imports it lazily when it loads the teacher: both figures carry that import (a few seconds).
+    started = time.perf_counter()
+    from sentence_transformers import (
+        SentenceTransformer,
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
+    from sentence_transformers.sentence_transformer.losses import MSELoss
+
+    from distill.student import load_student
+
+    teacher = SentenceTransformer(resolve_model(spec["teacher"]), device="cpu")
+    teacher.max_seq_length = spec["max_length"]
+    labels = teacher.encode(texts, batch_size=spec["batch_size"], show_progress_bar=False)  # (n, 384), unit
+    teacher_seconds = time.perf_counter() - started
+    del teacher
+
+    set_seed(spec["seed"])
+    student = load_student(spec["student"], num_layers=spec["layers"], max_seq_length=spec["max_length"])
+    dataset = Dataset.from_dict({"text": texts, "label": labels.tolist()})
+    steps = math.ceil(len(texts) / spec["batch_size"])
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(Path(spec["out_dir"]) / "trainer"),
+        per_device_train_batch_size=spec["batch_size"],
+        num_train_epochs=1,
+        learning_rate=spec["lr"],
+        warmup_steps=int(spec["warmup_ratio"] * steps),  # the toolkit's warm-up, in steps
+        weight_decay=spec["weight_decay"],
+        max_grad_norm=spec["max_grad_norm"],
+        seed=spec["seed"],
+        report_to="none",
+        eval_strategy="no",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = SentenceTransformerTrainer(model=student, args=args, train_dataset=dataset, loss=MSELoss(student))
+    started = time.perf_counter()
+    trainer.train()
+    train_seconds = time.perf_counter() - started
+    return {
+        "teacher_seconds": teacher_seconds,
+        "train_seconds": train_seconds,
+        "train_samples": len(texts),
+        **retrieval_scores(student, load_eval(spec), spec["max_length"]),
+    }
+
+
+def cached_teacher_vectors(spec: dict, texts: list[str]) -> np.ndarray:
+    """The toolkit's own cached teacher vectors of `texts` (float16), looked up by the toolkit's cache key."""
+    from distill.config import ModelConfig
+    from distill.teacher import TeacherCache, TeacherSpec, read_entry
+
+    config = ModelConfig(teacher_model=spec["teacher"], max_seq_length=spec["max_length"])
+    cache = TeacherCache(None, TeacherSpec.from_config(config, torch.device("cpu")), spec["cache_dir"], 1)
+    key = cache.key(texts, "document")
+    vectors = read_entry(Path(spec["cache_dir"]).expanduser() / key, key, len(texts))
+    if vectors is None:
+        raise SystemExit(f"no teacher cache entry for these texts under {spec['cache_dir']}; run the toolkit first")
+    return vectors
+
+
+def floor(spec: dict, grouped: bool) -> dict:
+    """Forward, loss, backward, AdamW step over pre-collated batches; nothing else is timed."""
+    from distill.batching import LengthGroupedBatchSampler, TokenizedTexts
+    from distill.losses import LossWeights, alignment_loss
+    from distill.student import embedding_dim, load_student, matryoshka_dims
+
+    texts = load_texts(spec)
+    targets = cached_teacher_vectors(spec, texts)
+    torch.manual_seed(spec["seed"])
+    student = load_student(spec["student"], num_layers=spec["layers"], max_seq_length=spec["max_length"])
+    tokens = TokenizedTexts(student.tokenizer, texts, student.max_seq_length)
+    size = spec["batch_size"]
+    if grouped:  # the toolkit's batches: same sampler, same seed, same global batch size, epoch 0
+        batches = list(LengthGroupedBatchSampler(tokens.lengths, size, spec["seed"]))
+    else:  # what a plain DataLoader(shuffle=True) gives, last partial batch dropped like the toolkit's
+        order = np.random.default_rng(spec["seed"]).permutation(len(tokens)).tolist()
+        batches = [order[i : i + size] for i in range(0, len(order) - size + 1, size)]
+    collated = [
+        (tokens.features(b), torch.from_numpy(np.asarray(targets[b], dtype=np.float32)))  # (batch, 384)
+        for b in batches
+    ]
+    real = sum(int(tokens.lengths[b].sum()) for b in batches)
+    padded = sum(int(f["input_ids"].numel()) for f, _ in collated)
+    dims = matryoshka_dims(embedding_dim(student), None)  # the toolkit's Matryoshka loss: 384, 192, 96
+    weights = LossWeights()
+    optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=spec["lr"])
+    student.train()
+    started = time.perf_counter()
+    for features, target in collated:
+        embedding = student(dict(features))["sentence_embedding"]  # (batch, 384)
+        loss = alignment_loss(embedding, target, weights, dims)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    train_seconds = time.perf_counter() - started
+    return {
+        "teacher_seconds": 0.0,
+        "train_seconds": train_seconds,
+        "train_samples": len(batches) * size,
+        "padding_fraction": 1 - real / padded,
+        "final_loss": float(loss.detach()),
+    }
+
+
+def score(spec: dict) -> dict:
+    """nDCG@10 / MRR@10 of each saved model in spec["models"] (name -> folder)."""
+    from distill.teacher import load_sentence_transformer
+
+    evaluation = load_eval(spec)
+    return {
+        name: retrieval_scores(load_sentence_transformer(folder, "cpu"), evaluation, spec["max_length"])
+        for name, folder in spec["models"].items()
+    }
+
+
+VARIANTS = {
+    "eval_teacher": eval_teacher,
+    "peer": peer,
+    "floor_grouped": lambda spec: floor(spec, grouped=True),
+    "floor_random": lambda spec: floor(spec, grouped=False),
+    "score": score,
+}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3 or argv[0] not in VARIANTS:
+        print(f"usage: python bench/variants.py {{{','.join(VARIANTS)}}} SPEC.json RESULT.json", file=sys.stderr)
+        return 2
+    variant, spec_path, result_path = argv
+    result = VARIANTS[variant](json.loads(Path(spec_path).read_text()))
+    Path(result_path).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
