@@ -113,11 +113,24 @@ def tiny_run_flags(tiny_models: dict[str, Path], tiny_data: dict[str, Path], out
     return argv
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Accelerate keeps process-wide singletons; reset them so each test's Accelerator starts clean."""
-    yield
+def reset_accelerate() -> None:
+    """Forget Accelerate's process-wide singletons, so the next Accelerator starts clean."""
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Each test's Accelerator starts clean."""
+    yield
+    reset_accelerate()
+
+
+@pytest.fixture
+def accelerator():
+    """A one-process CPU Accelerator (reset after the test by `fresh_accelerate_state`)."""
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=True)

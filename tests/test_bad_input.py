@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_run_flags
+from conftest import reset_accelerate, tiny_run_flags
 from distill.train import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,10 +150,7 @@ def test_resume_loads_no_pickle(tiny_models, tiny_data, tmp_path, monkeypatch):
         teacher_cache_dir=tmp_path / "cache",
     )
     assert main(flags) == 0
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate()
     calls = []
     real_load = torch.load
 

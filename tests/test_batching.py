@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, PartialState
 from sentence_transformers import SentenceTransformer
 
 from conftest import sentences
@@ -205,12 +203,6 @@ def test_phase2_collate_orders_positives_then_negatives(student: SentenceTransfo
     assert_same_features(batch["queries"], model_features(student, [queries[2], queries[0]]))
 
 
-@pytest.fixture
-def accelerator() -> Iterator[Accelerator]:
-    fresh = not PartialState._shared_state
-    yield Accelerator(cpu=True)
-    if fresh:
-        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def test_map_sharded_returns_rows_in_input_order(accelerator: Accelerator) -> None:

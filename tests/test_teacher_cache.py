@@ -3,26 +3,16 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, PartialState
 
 import distill.teacher as teacher_module
 from conftest import sentences
 from distill.config import ModelConfig
 from distill.teacher import TeacherCache, TeacherSpec, texts_fingerprint
-
-
-@pytest.fixture
-def accelerator() -> Iterator[Accelerator]:
-    fresh = not PartialState._shared_state
-    yield Accelerator(cpu=True)
-    if fresh:
-        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def make_cache(

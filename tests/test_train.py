@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer
 
-from conftest import tiny_run_flags
+from conftest import reset_accelerate, tiny_run_flags
 from distill.train import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,10 +79,7 @@ def test_second_run_reuses_the_teacher_cache_without_loading_the_teacher(tiny_mo
     assert main(tiny_run_flags(tiny_models, tiny_data, tmp_path / "a", teacher_cache_dir=cache)) == 0
     assert results_of(tmp_path / "a")["teacher_loaded"] is True
 
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate()
 
     def no_teacher(*args, **kwargs):
         raise AssertionError("the teacher was loaded although every embedding was cached")
