@@ -81,6 +81,9 @@ class DataConfig:
     max_samples_phase1: int = _opt(default=100000, help="Cap on phase-1 texts.")
     max_samples_phase2: int = _opt(default=500000, help="Cap on phase-2 pairs.")
     max_eval_queries: int = _opt(default=1000, help="Held-out queries used for retrieval evaluation.")
+    mine_hard_negatives: int = _opt(
+        default=0, help="Phase 2: per query, add N negatives the teacher ranks highest (when the data has none)."
+    )
 
 
 @dataclass
@@ -331,6 +334,10 @@ def validate(config: Config) -> list[str]:
     if config.checkpoint.checkpoint_steps < 0:
         problems.append(
             f"checkpoint_steps: expected 0 (off) or a positive integer, got {config.checkpoint.checkpoint_steps}"
+        )
+    if config.data.mine_hard_negatives < 0:
+        problems.append(
+            f"mine_hard_negatives: expected 0 (off) or a positive integer, got {config.data.mine_hard_negatives}"
         )
     if config.checkpoint.eval_steps < 0:
         problems.append(f"eval_steps: expected 0 (off) or a positive integer, got {config.checkpoint.eval_steps}")

@@ -218,6 +218,32 @@ class TeacherCache:
             torch.cuda.empty_cache()
 
 
+def mine_hard_negatives(
+    queries: np.ndarray, passages: np.ndarray, count: int, margin: float = 0.05, chunk_size: int = 1024
+) -> np.ndarray:
+    """For query i (whose positive is passage i), the `count` passages the teacher ranks highest among the rest.
+
+    Passages scoring above (1 - margin) x the positive's own score are skipped: they are more likely
+    unlabelled positives than negatives (sentence-transformers' `relative_margin`). Exhaustive, O(n^2 d)
+    on the cached vectors. Returns (len(queries), count) passage indices.
+    """
+    if len(passages) <= count:
+        raise DistillError(
+            f"mine_hard_negatives {count} needs more than {count} passages, the data has {len(passages)}; "
+            "lower --mine_hard_negatives or give more pairs"
+        )
+    mined = np.zeros((len(queries), count), dtype=np.int64)
+    for start in range(0, len(queries), chunk_size):
+        q = torch.from_numpy(np.asarray(queries[start : start + chunk_size], dtype=np.float32))
+        scores = q @ torch.from_numpy(np.asarray(passages, dtype=np.float32)).T  # (chunk, passages)
+        own = torch.arange(start, start + len(q))
+        positive = scores[torch.arange(len(q)), own].clone()
+        scores[torch.arange(len(q)), own] = float("-inf")
+        scores[scores > (1 - margin) * positive[:, None]] = float("-inf")
+        mined[start : start + len(q)] = torch.topk(scores, count, dim=1).indices.numpy()
+    return mined
+
+
 def token_lengths(model, texts: list[str], max_length: int | None) -> list[int]:  # noqa: ANN001
     """Token count of each text under `model`'s tokenizer, truncated as the model will truncate it."""
     tokenizer = model.tokenizer
@@ -307,4 +333,3 @@ class CacheWriter:
             f"cannot write the teacher cache under {self.entry.parent} ({error.strerror or error}); make it "
             "writable, free space, or pass --teacher_cache_dir elsewhere"
         )
-

@@ -50,7 +50,7 @@ from distill.student import (
     load_student,
     matryoshka_dims,
 )
-from distill.teacher import TeacherCache, TeacherSpec
+from distill.teacher import TeacherCache, TeacherSpec, mine_hard_negatives
 from distill.tracking import resolve_trackers
 from distill.training import CheckpointSettings, PhaseSettings, TrainingStopped, scaled_lr, train_phase
 
@@ -66,6 +66,7 @@ class TeacherVectors:
     phase1: np.ndarray | None
     queries: np.ndarray | None
     passages: np.ndarray | None  # positives, then every query's negatives
+    passage_rows: np.ndarray | None  # (queries, 1 + negatives): row of each query's positive, then its negatives
     evaluation: EvalVectors | None
     seconds: dict[str, float]  # teacher time spent per phase (0 on a warm cache)
     loaded: bool  # whether any teacher model was loaded at all
@@ -167,10 +168,14 @@ def embed_with_teacher(accelerator: Accelerator, config: Config, data: DistillDa
     seconds = {}
     phase1 = cache.embeddings(data.phase1_texts, "document") if data.phase1_texts else None
     seconds["phase1"] = cache.seconds
-    queries = passages = None
+    queries = passages = rows = None
     if len(data.phase2):
+        texts, rows = passage_texts(data.phase2)
         queries = cache.embeddings(data.phase2.queries, "query")
-        passages = cache.embeddings(passage_texts(data.phase2)[0], "document")
+        passages = cache.embeddings(texts, "document")
+        if config.data.mine_hard_negatives and rows.shape[1] == 1:  # the data brings no negatives of its own
+            mined = mine_hard_negatives(queries, passages, config.data.mine_hard_negatives)
+            rows = np.concatenate([rows, mined], axis=1)  # negatives are other pairs' passages: nothing to encode
     seconds["phase2"] = cache.seconds - seconds["phase1"]
     evaluation = None
     if data.evaluation is not None:
@@ -183,7 +188,7 @@ def embed_with_teacher(accelerator: Accelerator, config: Config, data: DistillDa
     seconds["evaluation"] = cache.seconds - seconds["phase1"] - seconds["phase2"]
     loaded = cache.loaded
     cache.release()
-    return TeacherVectors(phase1, queries, passages, evaluation, seconds, loaded)
+    return TeacherVectors(phase1, queries, passages, rows, evaluation, seconds, loaded)
 
 
 def build_student(
@@ -247,7 +252,7 @@ def phase_loader(config: Config, student, data: DistillData, teacher: TeacherVec
         collate, lengths = Phase1Batches(texts, teacher.phase1), texts.lengths
         truncated = texts.truncated
     else:
-        passages, rows = passage_texts(data.phase2)
+        passages, rows = passage_texts(data.phase2)[0], teacher.passage_rows
         queries = TokenizedTexts(tokenizer, data.phase2.queries, max_length)
         passage_tokens = TokenizedTexts(tokenizer, passages, max_length)
         collate = Phase2Batches(queries, passage_tokens, rows, teacher.queries, teacher.passages)

@@ -203,8 +203,6 @@ def test_phase2_collate_orders_positives_then_negatives(student: SentenceTransfo
     assert_same_features(batch["queries"], model_features(student, [queries[2], queries[0]]))
 
 
-
-
 def test_map_sharded_returns_rows_in_input_order(accelerator: Accelerator) -> None:
     lengths = wide_lengths(50, seed=4)
     calls: list[list[int]] = []

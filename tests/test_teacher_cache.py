@@ -12,6 +12,7 @@ from accelerate import Accelerator
 import distill.teacher as teacher_module
 from conftest import sentences
 from distill.config import ModelConfig
+from distill.errors import DistillError
 from distill.teacher import TeacherCache, TeacherSpec, texts_fingerprint
 
 
@@ -229,3 +230,31 @@ def test_default_prompt_comes_from_the_teacher_config(accelerator: Accelerator, 
         ModelConfig(teacher_model=str(folder), teacher_query_prompt=""), accelerator.device
     )
     assert explicit.query_prompt == ""
+
+
+def test_mined_negatives_are_the_teachers_top_other_passages() -> None:
+    from distill.teacher import mine_hard_negatives
+
+    passages = np.eye(6, 8, dtype=np.float32)  # orthonormal: a passage scores 0 against every other
+    queries = passages.copy()  # each query is its own positive, exactly
+    queries[0] = passages[0] + 0.9 * passages[3]  # query 0 also looks much like passage 3...
+    queries[0] /= np.linalg.norm(queries[0])
+    mined = mine_hard_negatives(queries, passages, count=2, margin=0.0)
+    assert mined.shape == (6, 2)
+    assert all(i not in row for i, row in enumerate(mined))  # never the query's own positive
+    assert mined[0, 0] == 3  # ...so passage 3 is its hardest negative
+    scores = queries @ passages.T
+    for i, row in enumerate(mined):
+        others = np.delete(scores[i], i)
+        assert scores[i, row[0]] == others.max()
+
+
+def test_mining_skips_near_duplicates_of_the_positive_and_needs_enough_passages() -> None:
+    from distill.teacher import mine_hard_negatives
+
+    passages = np.eye(4, dtype=np.float32)
+    passages[1] = passages[0]  # passage 1 duplicates query 0's positive: a likely unlabelled positive
+    mined = mine_hard_negatives(passages.copy(), passages, count=1, margin=0.05)
+    assert mined[0, 0] != 1
+    with pytest.raises(DistillError, match="mine_hard_negatives 4 needs more than 4 passages"):
+        mine_hard_negatives(passages, passages, count=4)

@@ -203,3 +203,17 @@ def test_eval_steps_log_mid_phase_and_keep_the_best_model(tiny_models, tiny_data
         assert f"{best}" in (out / "best" / phase / "model" / "README.md").read_text()
     logged = (out / "metrics.jsonl").read_text()
     assert "phase1/eval/ndcg@10" in logged and "phase2/eval/ndcg@10" in logged
+
+
+def test_mined_hard_negatives_join_phase_two_without_re_encoding(tiny_models, tiny_data, tmp_path):
+    out = tmp_path / "mined"
+    pairs = tmp_path / "pairs.jsonl"  # the tiny pairs without their negative column
+    rows = [json.loads(line) for line in Path(tiny_data["pairs"]).read_text().splitlines()]
+    pairs.write_text("".join(json.dumps({"query": r["query"], "passage": r["passage"]}) + "\n" for r in rows))
+    flags = tiny_run_flags(tiny_models, tiny_data, out, phase2_data=pairs, mine_hard_negatives=2, skip_phase1=True)
+    assert main(flags) == 0
+    cache_entries = [p for p in (out / "cache").iterdir() if not p.name.startswith(".")]
+    counts = [json.loads((p / "manifest.json").read_text())["count"] for p in cache_entries]
+    train_pairs = len(rows) - 16  # 16 pairs are held out for evaluation
+    assert train_pairs in counts and 3 * train_pairs not in counts  # negatives reuse passages: nothing re-encoded
+    assert results_of(out)["phases"]["phase2"]["optimizer_steps"] > 0
