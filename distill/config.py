@@ -110,6 +110,12 @@ class TrainingConfig:
     cosine_weight: float = _opt(default=1.0, help="Weight of the (1 - cosine) alignment loss.")
     mse_weight: float = _opt(default=1.0, help="Weight of the squared-distance alignment loss.")
     kl_weight: float = _opt(default=1.0, help="Phase-2 weight of the in-batch similarity KL loss.")
+    projection_lr_scale: float = _opt(
+        default=1.0, help="Projection mode: the projection's lr is the phase lr times this (its own AdamW group)."
+    )
+    matryoshka_full_teacher_similarity: bool = _opt(
+        default=False, help="MRL: the similarity loss at each dim targets the teacher's full-width similarities."
+    )
     skip_phase1: bool = _opt(default=False, help="Skip phase 1 (general-text alignment).")
     skip_phase2: bool = _opt(default=False, help="Skip phase 2 (query/passage distillation).")
 
@@ -354,6 +360,10 @@ def validate(config: Config) -> list[str]:
         )
     if not 0 <= config.training.warmup_ratio < 1:
         problems.append(f"warmup_ratio: expected a fraction in [0, 1), got {config.training.warmup_ratio}")
+    if not config.training.projection_lr_scale > 0:
+        problems.append(
+            f"projection_lr_scale: expected a number greater than 0, got {config.training.projection_lr_scale}"
+        )
     for name in ("weight_decay", "max_grad_norm", "cosine_weight", "mse_weight", "kl_weight"):
         if getattr(config.training, name) < 0:
             problems.append(f"{name}: expected a number >= 0, got {getattr(config.training, name)}")

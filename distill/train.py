@@ -275,8 +275,15 @@ def phase_settings(config: Config, phase: str, world: int, dims: list[int] | Non
         warmup_ratio=t.warmup_ratio,
         weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm,
-        weights=LossWeights(t.cosine_weight, t.mse_weight, t.kl_weight, t.temperature),
+        weights=LossWeights(
+            t.cosine_weight,
+            t.mse_weight,
+            t.kl_weight,
+            t.temperature,
+            matryoshka_full_teacher_similarity=t.matryoshka_full_teacher_similarity,
+        ),
         matryoshka_dims=dims,
+        projection_lr_scale=t.projection_lr_scale,
     )
 
 

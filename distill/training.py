@@ -44,6 +44,7 @@ class PhaseSettings:
     max_grad_norm: float
     weights: LossWeights
     matryoshka_dims: list[int] | None  # None in projection mode
+    projection_lr_scale: float = 1.0
 
 
 def scaled_lr(lr: float, scaling: str, num_processes: int) -> float:
@@ -55,14 +56,27 @@ def scaled_lr(lr: float, scaling: str, num_processes: int) -> float:
     return lr
 
 
-def make_optimizer(model: DistillationModel, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """AdamW without weight decay on biases and norms."""
-    decay, no_decay = [], []
+def make_optimizer(
+    model: DistillationModel, lr: float, weight_decay: float, projection_lr_scale: float = 1.0
+) -> torch.optim.Optimizer:
+    """AdamW without weight decay on biases and norms; the projection in its own group at its own lr."""
+    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
     for name, parameter in model.named_parameters():
         if parameter.requires_grad:
-            (no_decay if name.endswith(NO_DECAY) else decay).append(parameter)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, fused=torch.cuda.is_available() or None)
+            key = (name.startswith("projection."), name.endswith(NO_DECAY))
+            groups.setdefault(key, []).append(parameter)
+    return torch.optim.AdamW(
+        [
+            {
+                "params": params,
+                "weight_decay": 0.0 if no_decay else weight_decay,
+                "lr": lr * projection_lr_scale if is_projection else lr,
+            }
+            for (is_projection, no_decay), params in sorted(groups.items())
+        ],
+        lr=lr,
+        fused=torch.cuda.is_available() or None,
+    )
 
 
 def gather_with_grad(accelerator: Accelerator, local: torch.Tensor) -> torch.Tensor:
@@ -148,7 +162,7 @@ def train_phase(
     Updates `state` (losses, steps, samples, seconds) in place and returns the unwrapped model. With
     `eval_steps`, `evaluate(model, step)` runs on every process every that many optimizer steps.
     """
-    optimizer = make_optimizer(model, settings.lr, settings.weight_decay)
+    optimizer = make_optimizer(model, settings.lr, settings.weight_decay, settings.projection_lr_scale)
     sampler = loader.batch_sampler
     steps_per_epoch = math.ceil(len(loader) / accelerator.gradient_accumulation_steps)
     total_steps = max(1, steps_per_epoch * settings.epochs)

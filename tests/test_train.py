@@ -217,3 +217,22 @@ def test_mined_hard_negatives_join_phase_two_without_re_encoding(tiny_models, ti
     train_pairs = len(rows) - 16  # 16 pairs are held out for evaluation
     assert train_pairs in counts and 3 * train_pairs not in counts  # negatives reuse passages: nothing re-encoded
     assert results_of(out)["phases"]["phase2"]["optimizer_steps"] > 0
+
+
+def test_projection_gets_its_own_learning_rate(tiny_models):
+    from distill.student import DistillationModel, least_squares_projection, load_student
+    from distill.training import make_optimizer
+
+    student = load_student(str(tiny_models["student"]))
+    projection = least_squares_projection(torch.randn(64, 32), torch.randn(64, 48))
+    optimizer = make_optimizer(
+        DistillationModel(student, projection), lr=1e-4, weight_decay=0.01, projection_lr_scale=10
+    )
+    projection_ids = {id(p) for p in projection.parameters()}
+    for group in optimizer.param_groups:
+        in_projection = {id(p) in projection_ids for p in group["params"]}
+        assert len(in_projection) == 1  # groups never mix projection and backbone
+        assert group["lr"] == pytest.approx(1e-3 if in_projection.pop() else 1e-4)
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(
+        [p for p in DistillationModel(student, projection).parameters() if p.requires_grad]
+    )
