@@ -138,6 +138,7 @@ class _Preemption:
 
     @classmethod
     def install(cls) -> None:
+        cls.requested = False
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, cls._handle)
 
