@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, PartialState
 from scipy.stats import spearmanr
 from sentence_transformers import SentenceTransformer
 
@@ -159,20 +157,18 @@ def test_truncated_renormalises_every_part() -> None:
 # ---------------------------------------------------------------- student evaluation
 
 
-@pytest.fixture
-def accelerator() -> Iterator[Accelerator]:
-    fresh = not PartialState._shared_state
-    yield Accelerator(cpu=True)
-    if fresh:
-        AcceleratorState._reset_state(reset_partial_state=True)
-
-
-def test_evaluate_student_matches_direct_encoding(accelerator: Accelerator, tiny_models: dict[str, Path]) -> None:
+def student_with_projection(tiny_models: dict[str, Path]) -> tuple[SentenceTransformer, torch.nn.Module]:
+    """The tiny 32-d student and a fixed 32 -> 48 projection."""
     student = SentenceTransformer(str(tiny_models["student"]), device="cpu")
     generator = torch.Generator().manual_seed(0)
     projection = least_squares_projection(
         torch.randn(128, 32, generator=generator), torch.randn(128, 48, generator=generator)
     )
+    return student, projection
+
+
+def test_evaluate_student_matches_direct_encoding(accelerator: Accelerator, tiny_models: dict[str, Path]) -> None:
+    student, projection = student_with_projection(tiny_models)
     model = DistillationModel(student, projection)
     model.train()
     queries, corpus = sentences(12, seed=1), sentences(20, seed=2)
@@ -206,11 +202,7 @@ def test_evaluate_student_matches_direct_encoding(accelerator: Accelerator, tiny
 def test_asymmetric_retrieval_scores_student_queries_against_teacher_corpus(
     accelerator: Accelerator, tiny_models: dict[str, Path]
 ) -> None:
-    student = SentenceTransformer(str(tiny_models["student"]), device="cpu")
-    generator = torch.Generator().manual_seed(0)
-    projection = least_squares_projection(
-        torch.randn(128, 32, generator=generator), torch.randn(128, 48, generator=generator)
-    )
+    student, projection = student_with_projection(tiny_models)
     model = DistillationModel(student, projection)
     queries, corpus = sentences(8, seed=5), sentences(14, seed=6)
     relevant = [7 - i for i in range(8)]  # query i's passage sits at corpus row 7 - i
