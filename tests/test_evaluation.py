@@ -167,6 +167,17 @@ def student_with_projection(tiny_models: dict[str, Path]) -> tuple[SentenceTrans
     return student, projection
 
 
+def tokenized_inputs(student: SentenceTransformer, eval_set: EvalSet, teacher: EvalVectors) -> EvalInputs:
+    """The evaluation set tokenized for `student` (no STS), with the given teacher vectors."""
+    return EvalInputs(
+        eval_set,
+        TokenizedTexts(student.tokenizer, eval_set.queries, student.max_seq_length),
+        TokenizedTexts(student.tokenizer, eval_set.corpus, student.max_seq_length),
+        None,
+        teacher,
+    )
+
+
 def test_evaluate_student_matches_direct_encoding(accelerator: Accelerator, tiny_models: dict[str, Path]) -> None:
     student, projection = student_with_projection(tiny_models)
     model = DistillationModel(student, projection)
@@ -176,13 +187,7 @@ def test_evaluate_student_matches_direct_encoding(accelerator: Accelerator, tiny
     eval_set = EvalSet(queries, corpus, relevant)
     rng = np.random.default_rng(0)
     teacher = EvalVectors(rng.standard_normal((12, 48)), rng.standard_normal((20, 48)), None)
-    inputs = EvalInputs(
-        eval_set,
-        TokenizedTexts(student.tokenizer, queries, student.max_seq_length),
-        TokenizedTexts(student.tokenizer, corpus, student.max_seq_length),
-        None,
-        teacher,
-    )
+    inputs = tokenized_inputs(student, eval_set, teacher)
     metrics = evaluate_student(accelerator, model, inputs, batch_size=5, matryoshka_dims=None)
     assert model.training  # restored after evaluation
 
@@ -213,13 +218,7 @@ def test_asymmetric_retrieval_scores_student_queries_against_teacher_corpus(
     rng = np.random.default_rng(2)
     # Teacher queries are noise: a score that used them (or the student's corpus) would not match below.
     teacher = EvalVectors(rng.standard_normal((8, 48)), rng.standard_normal((14, 48)), None)
-    inputs = EvalInputs(
-        eval_set,
-        TokenizedTexts(student.tokenizer, queries, student.max_seq_length),
-        TokenizedTexts(student.tokenizer, corpus, student.max_seq_length),
-        None,
-        teacher,
-    )
+    inputs = tokenized_inputs(student, eval_set, teacher)
     for corpus_vectors in (rng.standard_normal((14, 48)), np.roll(projected_q, 1, axis=1).repeat(2, axis=0)[:14]):
         teacher.corpus = corpus_vectors
         metrics = evaluate_student(accelerator, model, inputs, batch_size=3, matryoshka_dims=None)
