@@ -110,8 +110,16 @@ class TrainingConfig:
     cosine_weight: float = _opt(default=1.0, help="Weight of the (1 - cosine) alignment loss.")
     mse_weight: float = _opt(default=1.0, help="Weight of the squared-distance alignment loss.")
     kl_weight: float = _opt(default=1.0, help="Phase-2 weight of the in-batch similarity KL loss.")
+    phase1_kl_weight: float = _opt(
+        default=0.0,
+        help="Phase-1 weight of an in-batch similarity KL: each text's softmax over the batch's other texts.",
+    )
     projection_lr_scale: float = _opt(
         default=1.0, help="Projection mode: the projection's lr is the phase lr times this (its own AdamW group)."
+    )
+    projection_warmup_steps: int = _opt(
+        default=0,
+        help="Projection mode: phase 1's first N optimizer steps train only the projection (backbone lr 0).",
     )
     matryoshka_full_teacher_similarity: bool = _opt(
         default=False, help="MRL: the similarity loss at each dim targets the teacher's full-width similarities."
@@ -345,6 +353,14 @@ def validate(config: Config) -> list[str]:
         problems.append(
             f"mine_hard_negatives: expected 0 (off) or a positive integer, got {config.data.mine_hard_negatives}"
         )
+    if config.training.projection_warmup_steps < 0:
+        steps = config.training.projection_warmup_steps
+        problems.append(f"projection_warmup_steps: expected 0 (off) or a positive integer, got {steps}")
+    if config.training.projection_warmup_steps and not config.model.use_projection:
+        problems.append(
+            "projection_warmup_steps: there is no projection to warm up in Matryoshka mode; "
+            "pass --use_projection True or drop --projection_warmup_steps"
+        )
     if config.checkpoint.eval_steps < 0:
         problems.append(f"eval_steps: expected 0 (off) or a positive integer, got {config.checkpoint.eval_steps}")
     if config.checkpoint.checkpoints_total_limit < 1:
@@ -364,7 +380,7 @@ def validate(config: Config) -> list[str]:
         problems.append(
             f"projection_lr_scale: expected a number greater than 0, got {config.training.projection_lr_scale}"
         )
-    for name in ("weight_decay", "max_grad_norm", "cosine_weight", "mse_weight", "kl_weight"):
+    for name in ("weight_decay", "max_grad_norm", "cosine_weight", "mse_weight", "kl_weight", "phase1_kl_weight"):
         if getattr(config.training, name) < 0:
             problems.append(f"{name}: expected a number >= 0, got {getattr(config.training, name)}")
     dims = config.model.matryoshka_dims

@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 
 
+SELF_SCORE = -1e4  # a text's own score in its in-batch softmax when it is excluded: exp() underflows to 0
+
+
 @dataclass(frozen=True)
 class LossWeights:
     cosine: float = 1.0
@@ -22,6 +25,8 @@ class LossWeights:
     # MRL: the similarity loss at every dim d targets the teacher's similarities at the full (student) width,
     # instead of those of the teacher truncated to d (which a non-Matryoshka teacher ranks poorly at small d).
     matryoshka_full_teacher_similarity: bool = False
+    # Phase 1: weight of the in-batch text-to-text similarity KL (0: alignment only).
+    phase1_kl: float = 0.0
 
 
 def truncate(vectors: torch.Tensor, dim: int) -> torch.Tensor:
@@ -60,10 +65,14 @@ def similarity_kl_loss(
     teacher_passages: torch.Tensor,
     weights: LossWeights,
     dims: list[int] | None = None,
+    exclude_self: bool = False,
+    weight: float | None = None,
 ) -> torch.Tensor:
     """KL(teacher || student) of each query's softmax over all in-batch passages (positives and negatives).
 
     The student learns the teacher's whole ranking of the batch, not only which passage is positive.
+    `exclude_self` (queries and passages are the same texts, as in phase 1) leaves each text's similarity
+    to itself out of its softmax. `weight` overrides `weights.kl`.
     """
     total = student_queries.new_zeros(())
     query_spaces = _spaces(student_queries.float(), teacher_queries.float(), dims)
@@ -74,10 +83,14 @@ def similarity_kl_loss(
             tq, tp = query_spaces[0][1], passage_spaces[0][1]
         student_scores = F.normalize(sq, dim=-1) @ F.normalize(sp, dim=-1).T / weights.temperature  # (q, p)
         teacher_scores = F.normalize(tq, dim=-1) @ F.normalize(tp, dim=-1).T / weights.temperature  # (q, p)
+        if exclude_self:  # a large finite score, not -inf: KL's 0 * (-inf - -inf) would be NaN
+            self_pairs = torch.eye(len(sq), dtype=torch.bool, device=sq.device)
+            student_scores = student_scores.masked_fill(self_pairs, SELF_SCORE)
+            teacher_scores = teacher_scores.masked_fill(self_pairs, SELF_SCORE)
         total = total + F.kl_div(
             F.log_softmax(student_scores, dim=-1),
             F.log_softmax(teacher_scores, dim=-1),
             reduction="batchmean",
             log_target=True,
         )
-    return weights.kl * total / len(query_spaces)
+    return (weights.kl if weight is None else weight) * total / len(query_spaces)

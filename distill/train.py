@@ -283,9 +283,11 @@ def phase_settings(config: Config, phase: str, world: int, dims: list[int] | Non
             t.kl_weight,
             t.temperature,
             matryoshka_full_teacher_similarity=t.matryoshka_full_teacher_similarity,
+            phase1_kl=t.phase1_kl_weight,
         ),
         matryoshka_dims=dims,
         projection_lr_scale=t.projection_lr_scale,
+        backbone_frozen_steps=t.projection_warmup_steps if phase == "phase1" and config.model.use_projection else 0,
     )
 
 

@@ -22,7 +22,6 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import get_scheduler
 
 from distill.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from distill.errors import DistillError
@@ -45,6 +44,7 @@ class PhaseSettings:
     weights: LossWeights
     matryoshka_dims: list[int] | None  # None in projection mode
     projection_lr_scale: float = 1.0
+    backbone_frozen_steps: int = 0  # optimizer steps at the start in which only the projection learns
 
 
 def scaled_lr(lr: float, scaling: str, num_processes: int) -> float:
@@ -71,12 +71,37 @@ def make_optimizer(
                 "params": params,
                 "weight_decay": 0.0 if no_decay else weight_decay,
                 "lr": lr * projection_lr_scale if is_projection else lr,
+                "projection": is_projection,
             }
             for (is_projection, no_decay), params in sorted(groups.items())
         ],
         lr=lr,
         fused=torch.cuda.is_available() or None,
     )
+
+
+def make_scheduler(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, backbone_frozen_steps: int = 0
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up then linear decay to 0 (transformers' "linear" schedule), per parameter group.
+
+    With `backbone_frozen_steps`, every group but the projection's has lr 0 for that many steps, then
+    warms up from there: a warm-up in which only the projection learns, without changing which parameters
+    take part in DDP's gradient all-reduce.
+    """
+
+    def linear(step: int, start: int = 0) -> float:
+        if step < start:
+            return 0.0
+        if step < start + warmup_steps:
+            return float(step - start) / float(max(1, warmup_steps))
+        return max(0.0, float(total_steps - step) / float(max(1, total_steps - start - warmup_steps)))
+
+    def backbone(step: int) -> float:
+        return linear(step, backbone_frozen_steps)
+
+    lambdas = [linear if group.get("projection") else backbone for group in optimizer.param_groups]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
 
 
 def gather_with_grad(accelerator: Accelerator, local: torch.Tensor) -> torch.Tensor:
@@ -96,7 +121,12 @@ def phase_loss(
     if settings.name == "phase1":
         ((_, target),) = model(batch["texts"])
         loss = alignment_loss(target, batch["teacher"], weights, dims)
-        return loss, loss.detach()
+        if not weights.phase1_kl:
+            return loss, loss.detach()
+        texts = gather_with_grad(accelerator, target)
+        teacher = accelerator.gather(batch["teacher"].contiguous())
+        similarity = similarity_kl_loss(texts, texts, teacher, teacher, weights, dims, True, weights.phase1_kl)
+        return loss + accelerator.num_processes * similarity, (loss + similarity).detach()
     (_, queries), (_, passages) = model(batch["queries"], batch["passages"])
     alignment = 0.5 * (
         alignment_loss(queries, batch["teacher_queries"], weights, dims)
@@ -111,7 +141,8 @@ def phase_loss(
         dims,
     )
     # DDP averages gradients over ranks; the global similarity loss is computed on every rank and each
-    # rank's gradient covers only its own rows, so scaling by the world size makes the average the sum.
+    # rank's gradient covers only its own rows, so scaling by the world size makes the average the sum
+    # (phase 1's text-to-text similarity above is scaled the same way).
     loss = alignment + accelerator.num_processes * similarity
     return loss, (alignment + similarity).detach()
 
@@ -167,8 +198,8 @@ def train_phase(
     sampler = loader.batch_sampler
     steps_per_epoch = math.ceil(len(loader) / accelerator.gradient_accumulation_steps)
     total_steps = max(1, steps_per_epoch * settings.epochs)
-    scheduler = get_scheduler(
-        "linear", optimizer, num_warmup_steps=int(settings.warmup_ratio * total_steps), num_training_steps=total_steps
+    scheduler = make_scheduler(
+        optimizer, int(settings.warmup_ratio * total_steps), total_steps, settings.backbone_frozen_steps
     )
     wrapped, optimizer, prepared_loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     if resume is not None:

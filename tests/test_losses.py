@@ -133,6 +133,28 @@ def test_similarity_kl_is_positive_and_matches_reference() -> None:
     assert doubled.item() == pytest.approx(2 * loss.item(), rel=1e-6)
 
 
+def test_similarity_kl_excluding_self_matches_a_softmax_over_the_other_texts() -> None:
+    student, teacher = random_unit(6, 12, seed=21), random_unit(6, 12, seed=22)
+    weights = LossWeights(temperature=0.1)
+    loss = similarity_kl_loss(student, student, teacher, teacher, weights, exclude_self=True, weight=0.5)
+    assert math.isfinite(loss.item()) and loss.item() > 0.01
+    # reference: each row's softmax over the 5 other texts only
+    rows = []
+    for i in range(6):
+        others = [j for j in range(6) if j != i]
+        rows.append(reference_kl(student[i : i + 1].numpy(), student[others].numpy(),
+                                 teacher[i : i + 1].numpy(), teacher[others].numpy(), 0.1))
+    assert loss.item() == pytest.approx(0.5 * float(np.mean(rows)), rel=1e-4)
+    # without the exclusion, the self-similarity (1 / T) dominates every row and the loss is much smaller
+    with_self = similarity_kl_loss(student, student, teacher, teacher, weights, weight=0.5)
+    assert with_self.item() < 0.5 * loss.item()
+    # identical student and teacher: zero, and the gradient is finite (no -inf - -inf NaN)
+    leaf = teacher.clone().requires_grad_(True)
+    same = similarity_kl_loss(leaf, leaf, teacher, teacher, weights, exclude_self=True)
+    same.backward()
+    assert same.item() == pytest.approx(0.0, abs=1e-5) and torch.isfinite(leaf.grad).all()
+
+
 def test_similarity_kl_matryoshka_dims() -> None:
     sq, sp = random_unit(3, 8, seed=11), random_unit(5, 8, seed=12)
     tq, tp = random_unit(3, 8, seed=13), random_unit(5, 8, seed=14)

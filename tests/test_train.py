@@ -152,15 +152,14 @@ def test_two_cpu_processes_through_accelerate_launch(tiny_models, tiny_data, tmp
 
 @pytest.mark.multiprocess
 def test_two_processes_match_one_process_with_twice_the_batch(tiny_models, tiny_data, tmp_path):
-    """2 processes x batch 4 reach the weights of 1 process x batch 8, both phases, both losses."""
+    """2 processes x batch 4 reach the weights of 1 process x batch 8, both phases, every loss.
+
+    Phase 1 includes its in-batch similarity term, so its gather-with-gradient is covered as well as phase 2's.
+    """
     two, one = tmp_path / "two", tmp_path / "one"
-    cache = tmp_path / "cache"
-    accelerate_launch(
-        2, tiny_run_flags(tiny_models, tiny_data, two, batch_size=4, teacher_cache_dir=cache, save_to_artifacts=True)
-    )
-    accelerate_launch(
-        1, tiny_run_flags(tiny_models, tiny_data, one, batch_size=8, teacher_cache_dir=cache, save_to_artifacts=True)
-    )
+    common = {"teacher_cache_dir": tmp_path / "cache", "save_to_artifacts": True, "phase1_kl_weight": 0.5}
+    accelerate_launch(2, tiny_run_flags(tiny_models, tiny_data, two, batch_size=4, **common))
+    accelerate_launch(1, tiny_run_flags(tiny_models, tiny_data, one, batch_size=8, **common))
     assert results_of(two)["world_size"] == 2 and results_of(one)["world_size"] == 1
     weights_two, weights_one = exported_weights(two), exported_weights(one)
     assert weights_two.keys() == weights_one.keys()
@@ -236,3 +235,44 @@ def test_projection_gets_its_own_learning_rate(tiny_models):
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(
         [p for p in DistillationModel(student, projection).parameters() if p.requires_grad]
     )
+
+
+def test_projection_warmup_trains_only_the_projection(tiny_models, tiny_data, tmp_path):
+    """With the warm-up longer than phase 1, the backbone leaves phase 1 exactly as it came; without, it moves."""
+    start = load_file(str(Path(tiny_models["student"]) / "model.safetensors"))
+    backbone_moved = {}
+    for warmup in (0, 1000):
+        out = tmp_path / f"warmup{warmup}"
+        flags = {"skip_phase2": True, "save_to_artifacts": True, "projection_warmup_steps": warmup}
+        assert main(tiny_run_flags(tiny_models, tiny_data, out, **flags)) == 0
+        weights = exported_weights(out)
+        backbone_moved[warmup] = max((weights[k] - start[k]).abs().max().item() for k in start if k in weights)
+        assert "dense.linear.weight" in weights
+    assert backbone_moved[0] > 1e-3
+    assert backbone_moved[1000] == 0.0
+
+
+def test_scheduler_holds_the_backbone_at_zero_then_warms_it_up():
+    from distill.training import make_scheduler
+
+    projection = torch.nn.Parameter(torch.zeros(2))
+    backbone = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW(
+        [{"params": [projection], "lr": 1.0, "projection": True}, {"params": [backbone], "lr": 1.0}], lr=1.0
+    )
+    scheduler = make_scheduler(optimizer, warmup_steps=2, total_steps=10, backbone_frozen_steps=4)
+    seen = []
+    for _ in range(10):
+        seen.append([group["lr"] for group in optimizer.param_groups])
+        optimizer.step()
+        scheduler.step()
+    projection_lrs, backbone_lrs = zip(*seen)
+    assert projection_lrs == pytest.approx([0, 0.5, 1, 7 / 8, 6 / 8, 5 / 8, 4 / 8, 3 / 8, 2 / 8, 1 / 8])
+    assert backbone_lrs == pytest.approx([0, 0, 0, 0, 0, 0.5, 1, 3 / 4, 2 / 4, 1 / 4])
+    # without frozen steps both groups follow transformers' "linear" schedule
+    from transformers import get_scheduler
+
+    reference = get_scheduler("linear", torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0), 2, 10)
+    plain = make_scheduler(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0), 2, 10)
+    for step in range(10):
+        assert plain.lr_lambdas[0](step) == reference.lr_lambdas[0](step)
