@@ -50,6 +50,9 @@ class ModelConfig:
     max_seq_length: int | None = _opt(
         default=None, help="Token limit for student and teacher inputs (default: the student's own limit)."
     )
+    teacher_max_seq_length: int | None = _opt(
+        default=None, help="Token limit for the teacher's inputs alone (default: max_seq_length, as the student)."
+    )
     trust_remote_code: bool = _opt(
         default=False, help="Allow models that ship their own Python code to run it (off by default)."
     )
@@ -341,7 +344,7 @@ def validate(config: Config) -> list[str]:
     for name, value in positive.items():
         if not value > 0:
             problems.append(f"{name}: expected a number greater than 0, got {value}")
-    for name in ("student_num_layers", "max_seq_length"):
+    for name in ("student_num_layers", "max_seq_length", "teacher_max_seq_length"):
         value = getattr(config.model, name)
         if value is not None and value < 1:
             problems.append(f"{name}: expected a positive integer or nothing, got {value}")

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-
 SELF_SCORE = -1e4  # a text's own score in its in-batch softmax when it is excluded: exp() underflows to 0
 
 

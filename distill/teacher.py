@@ -94,7 +94,8 @@ class TeacherSpec:
         if prompt is None:
             prompt = teacher_prompts(path).get("query", "")
         dtype = "bfloat16" if device.type == "cuda" else "float32"
-        return cls(path, config.teacher_revision, config.max_seq_length, prompt, config.trust_remote_code, dtype)
+        max_length = config.teacher_max_seq_length or config.max_seq_length
+        return cls(path, config.teacher_revision, max_length, prompt, config.trust_remote_code, dtype)
 
 
 def teacher_prompts(path: str) -> dict[str, str]:
@@ -244,11 +245,19 @@ def mine_hard_negatives(
     return mined
 
 
-def token_lengths(model, texts: list[str], max_length: int | None) -> list[int]:  # noqa: ANN001
-    """Token count of each text under `model`'s tokenizer, truncated as the model will truncate it."""
+def token_lengths(model, texts: list[str], max_length: int | None, chunk_size: int = 4096) -> list[int]:  # noqa: ANN001
+    """Token count of each text under `model`'s tokenizer, truncated as the model will truncate it.
+
+    Tokenized in chunks: the fast tokenizer's per-token bookkeeping for 40k texts at once costs a few
+    hundred MB that the heap keeps afterwards.
+    """
     tokenizer = model.tokenizer
-    encoded = tokenizer(texts, truncation=True, max_length=max_length, add_special_tokens=True)
-    return [len(ids) for ids in encoded["input_ids"]]
+    lengths: list[int] = []
+    for start in range(0, len(texts), chunk_size):
+        batch = texts[start : start + chunk_size]
+        encoded = tokenizer(batch, truncation=True, max_length=max_length, add_special_tokens=True)
+        lengths.extend(len(ids) for ids in encoded["input_ids"])
+    return lengths
 
 
 def read_entry(entry: Path, key: str, count: int) -> np.ndarray | None:

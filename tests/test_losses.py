@@ -142,8 +142,15 @@ def test_similarity_kl_excluding_self_matches_a_softmax_over_the_other_texts() -
     rows = []
     for i in range(6):
         others = [j for j in range(6) if j != i]
-        rows.append(reference_kl(student[i : i + 1].numpy(), student[others].numpy(),
-                                 teacher[i : i + 1].numpy(), teacher[others].numpy(), 0.1))
+        rows.append(
+            reference_kl(
+                student[i : i + 1].numpy(),
+                student[others].numpy(),
+                teacher[i : i + 1].numpy(),
+                teacher[others].numpy(),
+                0.1,
+            )
+        )
     assert loss.item() == pytest.approx(0.5 * float(np.mean(rows)), rel=1e-4)
     # without the exclusion, the self-similarity (1 / T) dominates every row and the loss is much smaller
     with_self = similarity_kl_loss(student, student, teacher, teacher, weights, weight=0.5)

@@ -232,6 +232,24 @@ def test_default_prompt_comes_from_the_teacher_config(accelerator: Accelerator, 
     assert explicit.query_prompt == ""
 
 
+def test_teacher_token_limit_defaults_to_the_students_and_can_be_set_alone(
+    accelerator: Accelerator, tmp_path: Path
+) -> None:
+    folder = tmp_path / "teacher"
+    folder.mkdir()
+    shared = TeacherSpec.from_config(ModelConfig(teacher_model=str(folder), max_seq_length=64), accelerator.device)
+    assert shared.max_seq_length == 64
+    alone = TeacherSpec.from_config(
+        ModelConfig(teacher_model=str(folder), max_seq_length=64, teacher_max_seq_length=256), accelerator.device
+    )
+    assert alone.max_seq_length == 256  # the teacher reads 256 tokens, the student still 64
+    # a different limit means different vectors: a different cache entry
+    cache_a = TeacherCache(accelerator, shared, tmp_path / "cache", batch_size=8)
+    cache_b = TeacherCache(accelerator, alone, tmp_path / "cache", batch_size=8)
+    cache_a._model_key = cache_b._model_key = "same-model"
+    assert cache_a.key(["a text"], "document") != cache_b.key(["a text"], "document")
+
+
 def test_mined_negatives_are_the_teachers_top_other_passages() -> None:
     from distill.teacher import mine_hard_negatives
 
