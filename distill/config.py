@@ -44,6 +44,11 @@ class ModelConfig:
         default=True,
         help="True: learn a student-dim -> teacher-dim projection. False: Matryoshka mode, teacher truncated.",
     )
+    projection_init: str = _opt(
+        default="least_squares",
+        choices=("least_squares", "orthogonal"),
+        help="Projection mode: fit the projection by ridge least squares, or as an orthonormal map (keeps cosines).",
+    )
     student_num_layers: int | None = _opt(
         default=None, help="Initialise the student by keeping N evenly spaced encoder layers (default: all)."
     )
@@ -64,6 +69,11 @@ class ModelConfig:
     matryoshka_dims: list[int] | None = _opt(
         default=None,
         help="MRL mode: comma-separated dims the loss also trains (default: dim, dim/2, dim/4).",
+    )
+    matryoshka_basis: str = _opt(
+        default="pca",
+        choices=("pca", "none"),
+        help="MRL mode: pca = truncate the teacher in its principal-axis basis, student rotated to match; none = as is.",
     )
 
 

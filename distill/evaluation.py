@@ -39,6 +39,8 @@ class EvalInputs:
     corpus: TokenizedTexts
     sts: TokenizedTexts | None
     teacher: EvalVectors
+    # MRL with a basis: (teacher_dim, student_dim), the teacher's vectors as the student was trained to match them
+    teacher_basis: np.ndarray | None = None
 
 
 def _unit(vectors: np.ndarray) -> np.ndarray:
@@ -115,7 +117,9 @@ def evaluate_student(
     model.train(was_training)
     target = EvalVectors(encoded["queries"][1], encoded["corpus"][1], encoded["sts"][1] if "sts" in encoded else None)
     teacher = inputs.teacher
-    if matryoshka_dims:  # MRL: compare with the teacher truncated to the student's dimension
+    if matryoshka_dims:  # MRL: compare with the teacher (in the training basis) truncated to the student's dimension
+        if inputs.teacher_basis is not None:
+            teacher = rotated(teacher, inputs.teacher_basis)
         teacher = truncated(teacher, target.queries.shape[1])
     metrics: dict[str, object] = score(target, inputs.eval_set, teacher)
     if model.projection is not None:
@@ -137,6 +141,14 @@ def evaluate_student(
 
 def _truncate_np(vectors: np.ndarray, dim: int) -> np.ndarray:
     return truncate(torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32)), dim).numpy()
+
+
+def rotated(vectors: EvalVectors, basis: np.ndarray) -> EvalVectors:
+    return EvalVectors(
+        vectors.queries @ basis,
+        vectors.corpus @ basis,
+        vectors.sts @ basis if vectors.sts is not None else None,
+    )
 
 
 def truncated(vectors: EvalVectors, dim: int) -> EvalVectors:

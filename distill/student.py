@@ -7,6 +7,9 @@ the teacher (projected to the teacher's dimension, or the student's own in Matry
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
+import numpy as np
 import torch
 from torch import nn
 
@@ -140,6 +143,69 @@ def least_squares_projection(student_embeddings: torch.Tensor, teacher_embedding
         init_weight=solution[:-1].T.float().contiguous(),
         init_bias=solution[-1].float().contiguous(),
     )
+
+
+def orthogonal_projection(student_embeddings: torch.Tensor, teacher_embeddings: torch.Tensor) -> nn.Module:
+    """A bias-free Dense with orthonormal columns (student_dim -> teacher_dim) fitted by orthogonal Procrustes.
+
+    Unlike the least-squares fit it keeps every cosine of the student's own space, so the projected student
+    ranks exactly as the student does, while pointing into the teacher's space (for asymmetric search).
+    """
+    if student_embeddings.shape[1] > teacher_embeddings.shape[1]:
+        raise DistillError(
+            f"an orthogonal projection cannot map {student_embeddings.shape[1]} dimensions into the teacher's "
+            f"{teacher_embeddings.shape[1]}; pass --projection_init least_squares"
+        )
+    weight = orthogonal_procrustes(student_embeddings, teacher_embeddings)  # (student_dim, teacher_dim)
+    return dense_module()(
+        weight.shape[0],
+        weight.shape[1],
+        bias=False,
+        activation_function=nn.Identity(),
+        init_weight=weight.T.contiguous(),
+    )
+
+
+def pca_basis(vectors: np.ndarray, chunk_size: int = 8192) -> np.ndarray:
+    """(dim, dim) orthonormal basis of `vectors`' rows, directions of largest second moment first.
+
+    Uncentred (cosine similarity is about directions from the origin), accumulated over row chunks so a
+    memory-mapped cache is never read whole; each column's sign is fixed (largest entry positive) so the
+    basis is a deterministic function of the data.
+    """
+    dim = vectors.shape[1]
+    moment = np.zeros((dim, dim), dtype=np.float64)
+    for start in range(0, len(vectors), chunk_size):
+        rows = np.asarray(vectors[start : start + chunk_size], dtype=np.float64)
+        moment += rows.T @ rows
+    _, eigenvectors = np.linalg.eigh(moment)  # ascending eigenvalues
+    basis = eigenvectors[:, ::-1]
+    signs = np.sign(basis[np.abs(basis).argmax(axis=0), np.arange(dim)])
+    return (basis * signs).astype(np.float32)
+
+
+def orthogonal_procrustes(source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """W with orthonormal rows (source_dim x target_dim, source_dim <= target_dim) minimising |source W - target|.
+
+    A rotation when both dimensions are equal.
+    """
+    u, _, vh = torch.linalg.svd(source.double().T @ target.double(), full_matrices=False)
+    return (u @ vh).float()
+
+
+def add_rotation(student, rotation: torch.Tensor) -> None:  # noqa: ANN001 - SentenceTransformer
+    """Append a fixed rotation (a bias-free sentence-transformers Dense, frozen) to the student's embedding.
+
+    It goes after pooling and before a final Normalize, so the saved student applies it and loads as it is.
+    A rotation changes no cosine: it only decides which coordinates come first when the vector is truncated.
+    """
+    dim = rotation.shape[0]
+    dense = dense_module()(dim, dim, bias=False, activation_function=nn.Identity(), init_weight=rotation.T.contiguous())
+    dense.requires_grad_(False)
+    modules = list(student)
+    normalize = type(normalize_module())
+    at = len(modules) - 1 if modules and isinstance(modules[-1], normalize) else len(modules)
+    student._modules = OrderedDict((str(i), m) for i, m in enumerate([*modules[:at], dense, *modules[at:]]))
 
 
 def check_dimensions(student_dim: int, teacher_dim: int, use_projection: bool) -> None:

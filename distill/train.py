@@ -45,11 +45,15 @@ from distill.losses import LossWeights
 from distill.report import results_table, write_report, write_results
 from distill.student import (
     DistillationModel,
+    add_rotation,
     check_dimensions,
     embedding_dim,
     least_squares_projection,
     load_student,
     matryoshka_dims,
+    orthogonal_procrustes,
+    orthogonal_projection,
+    pca_basis,
 )
 from distill.teacher import TeacherCache, TeacherSpec, mine_hard_negatives
 from distill.tracking import resolve_trackers
@@ -195,8 +199,12 @@ def embed_with_teacher(accelerator: Accelerator, config: Config, data: DistillDa
 
 def build_student(
     accelerator: Accelerator, config: Config, data: DistillData, teacher: TeacherVectors
-) -> tuple[DistillationModel, list[int] | None]:
-    """Stage 3: the student, and in projection mode a projection fitted on a sample; MRL dims otherwise."""
+) -> tuple[DistillationModel, list[int] | None, np.ndarray | None]:
+    """Stage 3: the student; a least-squares projection in projection mode, MRL dims (and basis) otherwise.
+
+    Returns (model, Matryoshka dims or None, teacher basis or None). The basis (teacher_dim x student_dim,
+    orthonormal columns) is what the teacher's vectors are multiplied by before truncation in MRL mode.
+    """
     student = load_student(
         config.model.student_model,
         config.model.student_num_layers,
@@ -207,8 +215,8 @@ def build_student(
     student.to(accelerator.device)
     student_dim = embedding_dim(student)
     check_dimensions(student_dim, teacher.dim, config.model.use_projection)
-    if not config.model.use_projection:
-        return DistillationModel(student), matryoshka_dims(student_dim, config.model.matryoshka_dims)
+    if not config.model.use_projection and config.model.matryoshka_basis == "none":
+        return DistillationModel(student), matryoshka_dims(student_dim, config.model.matryoshka_dims), None
     if data.phase1_texts and teacher.phase1 is not None:
         texts, targets = data.phase1_texts, teacher.phase1
     else:
@@ -217,10 +225,24 @@ def build_student(
     sample.sort()
     tokens = TokenizedTexts(student.tokenizer, [texts[i] for i in sample], student.max_seq_length)
     student_vectors, _ = encode_student(accelerator, DistillationModel(student), tokens, 2 * config.training.batch_size)
-    projection = least_squares_projection(
-        torch.from_numpy(student_vectors), torch.from_numpy(np.asarray(targets[sample], dtype=np.float32))
-    )
-    return DistillationModel(student, projection), None
+    sampled_targets = np.asarray(targets[sample], dtype=np.float32)
+    if config.model.use_projection:
+        fit = orthogonal_projection if config.model.projection_init == "orthogonal" else least_squares_projection
+        projection = fit(torch.from_numpy(student_vectors), torch.from_numpy(sampled_targets))
+        return DistillationModel(student, projection), None, None
+    # MRL with a PCA basis: the teacher's coordinates ordered by variance, so its truncations keep the most;
+    # the student gets the fixed rotation that best lines its own space up with that basis.
+    basis = main_process_array(accelerator, lambda: pca_basis(targets)[:, :student_dim])
+    rotated = torch.nn.functional.normalize(torch.from_numpy(sampled_targets @ basis), dim=-1)
+    add_rotation(student, orthogonal_procrustes(torch.from_numpy(student_vectors), rotated).to(accelerator.device))
+    return DistillationModel(student), matryoshka_dims(student_dim, config.model.matryoshka_dims), basis
+
+
+def main_process_array(accelerator: Accelerator, compute: Callable[[], np.ndarray]) -> np.ndarray:
+    """`compute()` on the main process, the same array on every process (linear algebra may differ by machine)."""
+    value = [compute() if accelerator.is_main_process else None]
+    broadcast_object_list(value)
+    return value[0]
 
 
 def check_declared_dimensions(model_config) -> None:  # noqa: ANN001 - ModelConfig
@@ -267,7 +289,9 @@ def phase_loader(config: Config, student, data: DistillData, teacher: TeacherVec
     return make_loader(lengths, global_batch, config.training.seed, collate)
 
 
-def phase_settings(config: Config, phase: str, world: int, dims: list[int] | None) -> PhaseSettings:
+def phase_settings(
+    config: Config, phase: str, world: int, dims: list[int] | None, basis: np.ndarray | None = None
+) -> PhaseSettings:
     phase_config = getattr(config, phase)
     t = config.training
     return PhaseSettings(
@@ -288,10 +312,16 @@ def phase_settings(config: Config, phase: str, world: int, dims: list[int] | Non
         matryoshka_dims=dims,
         projection_lr_scale=t.projection_lr_scale,
         backbone_frozen_steps=t.projection_warmup_steps if phase == "phase1" and config.model.use_projection else 0,
+        teacher_basis=None if basis is None else torch.from_numpy(basis),
     )
 
 
-def eval_inputs(student, data: DistillData, teacher: TeacherVectors) -> EvalInputs | None:  # noqa: ANN001
+def eval_inputs(  # noqa: ANN201
+    student,  # noqa: ANN001
+    data: DistillData,
+    teacher: TeacherVectors,
+    basis: np.ndarray | None = None,
+) -> EvalInputs | None:
     if data.evaluation is None or teacher.evaluation is None:
         return None
     e, tok, length = data.evaluation, student.tokenizer, student.max_seq_length
@@ -301,6 +331,7 @@ def eval_inputs(student, data: DistillData, teacher: TeacherVectors) -> EvalInpu
         TokenizedTexts(tok, e.corpus, length),
         TokenizedTexts(tok, e.sts_texts, length) if e.sts_texts else None,
         teacher.evaluation,
+        basis,
     )
 
 
@@ -375,8 +406,8 @@ def run(config: Config) -> dict:
     data = load_data(config.data, config.training.seed, "phase1" in phases, "phase2" in phases)
     check_phase_sizes(config, data, phases, world)
     teacher = embed_with_teacher(accelerator, config, data)
-    model, dims = build_student(accelerator, config, data, teacher)
-    evaluation = eval_inputs(model.student, data, teacher)
+    model, dims, basis = build_student(accelerator, config, data, teacher)
+    evaluation = eval_inputs(model.student, data, teacher, basis)
     output_dir = prepare_output_dir(accelerator, config)  # inputs are valid: from here on the run writes
     accelerator.init_trackers("distill", config=tracker_config(config))
     eval_batch = 2 * config.training.batch_size
@@ -395,7 +426,7 @@ def run(config: Config) -> dict:
         if resume is not None and PHASES.index(phase) < PHASES.index(state.phase):
             continue  # finished before the checkpoint; its figures are in the checkpoint's results
         loader = phase_loader(config, model.student, data, teacher, phase, world)
-        settings = phase_settings(config, phase, world, dims)
+        settings = phase_settings(config, phase, world, dims, basis)
         model = train_phase(
             accelerator,
             model,

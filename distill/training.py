@@ -45,6 +45,7 @@ class PhaseSettings:
     matryoshka_dims: list[int] | None  # None in projection mode
     projection_lr_scale: float = 1.0
     backbone_frozen_steps: int = 0  # optimizer steps at the start in which only the projection learns
+    teacher_basis: torch.Tensor | None = None  # MRL: (teacher_dim, student_dim), applied before truncation
 
 
 def scaled_lr(lr: float, scaling: str, num_processes: int) -> float:
@@ -118,6 +119,9 @@ def phase_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss to backpropagate, loss to report) for one batch of either phase."""
     dims, weights = settings.matryoshka_dims, settings.weights
+    if settings.teacher_basis is not None:  # the teacher's vectors in the basis the student is trained in
+        basis = settings.teacher_basis.to(accelerator.device)
+        batch = {k: v @ basis if k.startswith("teacher") else v for k, v in batch.items()}
     if settings.name == "phase1":
         ((_, target),) = model(batch["texts"])
         loss = alignment_loss(target, batch["teacher"], weights, dims)

@@ -7,11 +7,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from sentence_transformers import SentenceTransformer
 
 from conftest import sentences
 from distill.errors import DistillError
 from distill.student import (
+    add_rotation,
+    orthogonal_procrustes,
+    orthogonal_projection,
+    pca_basis,
     DistillationModel,
     check_dimensions,
     embedding_dim,
@@ -190,3 +195,60 @@ def test_matryoshka_dims() -> None:
     assert matryoshka_dims(64, [64, 64, 8]) == [64, 8]
     with pytest.raises(DistillError, match=r"matryoshka_dims \[128\] exceed the student's 64 dimensions"):
         matryoshka_dims(64, [128, 32])
+
+
+# ---------------------------------------------------------------- Matryoshka basis
+
+
+def test_pca_basis_is_orthonormal_ordered_and_deterministic() -> None:
+    rng = np.random.default_rng(0)
+    rotation = np.linalg.qr(rng.normal(size=(6, 6)))[0]
+    scales = np.array([5.0, 3.0, 2.0, 1.0, 0.5, 0.1])
+    vectors = (rng.normal(size=(500, 6)) * scales) @ rotation.T  # variance along rotation's columns, in order
+    basis = pca_basis(vectors, chunk_size=64)
+    np.testing.assert_allclose(basis.T @ basis, np.eye(6), atol=1e-5)
+    # the leading direction is rotation's first column (up to sign), then the second
+    assert abs(basis[:, 0] @ rotation[:, 0]) > 0.99 and abs(basis[:, 1] @ rotation[:, 1]) > 0.98
+    np.testing.assert_array_equal(basis, pca_basis(vectors, chunk_size=500))  # chunking changes nothing
+    np.testing.assert_array_equal(basis, pca_basis(-vectors))  # signs are fixed by the data's second moment
+    assert (basis[np.abs(basis).argmax(axis=0), np.arange(6)] > 0).all()
+
+
+def test_orthogonal_procrustes_recovers_a_rotation() -> None:
+    generator = torch.Generator().manual_seed(3)
+    source = torch.randn(200, 8, generator=generator)
+    rotation = torch.linalg.qr(torch.randn(8, 8, generator=generator))[0]
+    found = orthogonal_procrustes(source, source @ rotation)
+    torch.testing.assert_close(found, rotation, atol=1e-5, rtol=0)
+    torch.testing.assert_close(found.T @ found, torch.eye(8), atol=1e-5, rtol=0)
+
+
+def test_rotation_keeps_cosines_reorders_coordinates_and_saves(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    texts = sentences(6, seed=4)
+    student = load_student(str(tiny_models["student"]))
+    before = student.encode(texts, convert_to_tensor=True)
+    rotation = torch.linalg.qr(torch.randn(32, 32, generator=torch.Generator().manual_seed(5)))[0]
+    add_rotation(student, rotation)
+    after = student.encode(texts, convert_to_tensor=True)
+    expected = torch.nn.functional.normalize(before @ rotation, dim=-1)
+    torch.testing.assert_close(after, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(after @ after.T, before @ before.T, atol=1e-5, rtol=0)  # no cosine changes
+    assert not any(p.requires_grad for p in student[len(student) - 2].parameters())  # a fixed rotation
+    student.save(str(tmp_path / "rotated"))
+    reloaded = SentenceTransformer(str(tmp_path / "rotated"), device="cpu")
+    torch.testing.assert_close(reloaded.encode(texts, convert_to_tensor=True), after, atol=1e-6, rtol=0)
+
+
+def test_orthogonal_projection_keeps_the_students_cosines() -> None:
+    generator = torch.Generator().manual_seed(8)
+    student = F.normalize(torch.randn(100, 8, generator=generator), dim=-1)
+    teacher = torch.randn(100, 12, generator=generator)
+    projection = orthogonal_projection(student, teacher)
+    projected = projection({"sentence_embedding": student})["sentence_embedding"]
+    assert projected.shape == (100, 12) and projection.linear.bias is None
+    torch.testing.assert_close(
+        F.normalize(projected, dim=-1) @ F.normalize(projected, dim=-1).T, student @ student.T, atol=1e-5, rtol=0
+    )
+    assert all(p.requires_grad for p in projection.parameters())  # it trains like the least-squares one
+    with pytest.raises(DistillError, match="projection_init least_squares"):
+        orthogonal_projection(teacher, student)  # 12 -> 8 cannot keep cosines

@@ -100,7 +100,21 @@ def test_matryoshka_mode_trains_truncated_dims(tiny_models, tiny_data, tmp_path)
     assert results["mode"] == "matryoshka"
     assert set(results["student_after"]["matryoshka_ndcg@10"]) == {"32", "16", "8"}
     assert not (out / "artifacts" / "student").exists()
-    assert SentenceTransformer(str(out / "artifacts" / "model"), device="cpu").encode(["a"]).shape == (1, 32)
+    model = SentenceTransformer(str(out / "artifacts" / "model"), device="cpu")
+    assert model.encode(["a"]).shape == (1, 32)
+    # the default PCA basis: the exported student ends with its fixed 32x32 rotation, then Normalize
+    assert [type(m).__name__ for m in model][-2:] == ["Dense", "Normalize"]
+    rotation = model[len(model) - 2].linear.weight.detach()
+    torch.testing.assert_close(rotation @ rotation.T, torch.eye(32), atol=1e-4, rtol=0)
+
+
+def test_matryoshka_without_a_basis_truncates_the_teacher_as_it_is(tiny_models, tiny_data, tmp_path):
+    out = tmp_path / "mrl_plain"
+    flags = tiny_run_flags(tiny_models, tiny_data, out, use_projection=False, matryoshka_basis="none")
+    assert main([*flags, "--skip_phase2", "--save_to_artifacts"]) == 0
+    model = SentenceTransformer(str(out / "artifacts" / "model"), device="cpu")
+    assert "Dense" not in [type(m).__name__ for m in model]
+    assert set(results_of(out)["student_after"]["matryoshka_ndcg@10"]) == {"32", "16", "8"}
 
 
 def test_bad_input_prints_one_line_and_exits_2(tiny_models, tiny_data, tmp_path, capsys):
@@ -151,13 +165,20 @@ def test_two_cpu_processes_through_accelerate_launch(tiny_models, tiny_data, tmp
 
 
 @pytest.mark.multiprocess
-def test_two_processes_match_one_process_with_twice_the_batch(tiny_models, tiny_data, tmp_path):
-    """2 processes x batch 4 reach the weights of 1 process x batch 8, both phases, every loss.
+@pytest.mark.parametrize("use_projection", [True, False], ids=["projection", "matryoshka"])
+def test_two_processes_match_one_process_with_twice_the_batch(tiny_models, tiny_data, tmp_path, use_projection):
+    """2 processes x batch 4 reach the weights of 1 process x batch 8, both phases, every loss, both modes.
 
-    Phase 1 includes its in-batch similarity term, so its gather-with-gradient is covered as well as phase 2's.
+    Phase 1 includes its in-batch similarity term, so its gather-with-gradient is covered as well as phase 2's;
+    in Matryoshka mode the teacher basis computed on the main process reaches every process.
     """
     two, one = tmp_path / "two", tmp_path / "one"
-    common = {"teacher_cache_dir": tmp_path / "cache", "save_to_artifacts": True, "phase1_kl_weight": 0.5}
+    common = {
+        "teacher_cache_dir": tmp_path / "cache",
+        "save_to_artifacts": True,
+        "phase1_kl_weight": 0.5,
+        "use_projection": use_projection,
+    }
     accelerate_launch(2, tiny_run_flags(tiny_models, tiny_data, two, batch_size=4, **common))
     accelerate_launch(1, tiny_run_flags(tiny_models, tiny_data, one, batch_size=8, **common))
     assert results_of(two)["world_size"] == 2 and results_of(one)["world_size"] == 1
