@@ -73,7 +73,7 @@ class ModelConfig:
     matryoshka_basis: str = _opt(
         default="pca",
         choices=("pca", "none"),
-        help="MRL mode: pca = truncate the teacher in its principal-axis basis, student rotated to match; none = as is.",
+        help="MRL mode: pca = truncate the teacher in its principal axes (student rotated to match); none = as is.",
     )
 
 

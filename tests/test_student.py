@@ -13,17 +13,17 @@ from sentence_transformers import SentenceTransformer
 from conftest import sentences
 from distill.errors import DistillError
 from distill.student import (
-    add_rotation,
-    orthogonal_procrustes,
-    orthogonal_projection,
-    pca_basis,
     DistillationModel,
+    add_rotation,
     check_dimensions,
     embedding_dim,
     evenly_spaced,
     least_squares_projection,
     load_student,
     matryoshka_dims,
+    orthogonal_procrustes,
+    orthogonal_projection,
+    pca_basis,
     prune_layers,
 )
 
