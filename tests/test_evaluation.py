@@ -254,3 +254,13 @@ def test_evaluate_student_matryoshka(accelerator: Accelerator, tiny_models: dict
     cut = truncated(teacher, 32)
     expected_cosine = score(EvalVectors(own_q, own_c, None), eval_set, cut)["teacher_cosine"]
     assert metrics["teacher_cosine"] == pytest.approx(expected_cosine, abs=1e-4)
+    # with a basis, the teacher is first put in the basis the student was trained in, then truncated
+    basis = np.linalg.qr(rng.standard_normal((48, 48)))[0][:, :32]
+    inputs.teacher_basis = basis
+    metrics = evaluate_student(accelerator, model, inputs, batch_size=4, matryoshka_dims=[32, 16, 8])
+    in_basis = truncated(EvalVectors(teacher.queries @ basis, teacher.corpus @ basis, None), 32)
+    expected_cosine = score(EvalVectors(own_q, own_c, None), eval_set, in_basis)["teacher_cosine"]
+    assert metrics["teacher_cosine"] == pytest.approx(expected_cosine, abs=1e-4)
+    assert metrics["teacher_cosine"] != pytest.approx(
+        score(EvalVectors(own_q, own_c, None), eval_set, cut)["teacher_cosine"], abs=1e-4
+    )  # the basis made a difference the check above can see
