@@ -45,9 +45,10 @@ class ModelConfig:
         help="True: learn a student-dim -> teacher-dim projection. False: Matryoshka mode, teacher truncated.",
     )
     projection_init: str = _opt(
-        default="least_squares",
-        choices=("least_squares", "orthogonal"),
-        help="Projection mode: fit the projection by ridge least squares, or as an orthonormal map (keeps cosines).",
+        default="auto",
+        choices=("auto", "orthogonal", "least_squares"),
+        help="Projection mode: orthogonal (keeps the student's cosines), least_squares (ridge fit), "
+        "auto = orthogonal unless the student is wider than the teacher.",
     )
     student_num_layers: int | None = _opt(
         default=None, help="Initialise the student by keeping N evenly spaced encoder layers (default: all)."

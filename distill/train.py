@@ -227,7 +227,10 @@ def build_student(
     student_vectors, _ = encode_student(accelerator, DistillationModel(student), tokens, 2 * config.training.batch_size)
     sampled_targets = np.asarray(targets[sample], dtype=np.float32)
     if config.model.use_projection:
-        fit = orthogonal_projection if config.model.projection_init == "orthogonal" else least_squares_projection
+        init = config.model.projection_init
+        if init == "auto":
+            init = "orthogonal" if student_dim <= teacher.dim else "least_squares"
+        fit = orthogonal_projection if init == "orthogonal" else least_squares_projection
         projection = fit(torch.from_numpy(student_vectors), torch.from_numpy(sampled_targets))
         return DistillationModel(student, projection), None, None
     # MRL with a PCA basis: the teacher's coordinates ordered by variance, so its truncations keep the most;

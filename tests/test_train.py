@@ -297,3 +297,14 @@ def test_scheduler_holds_the_backbone_at_zero_then_warms_it_up():
     plain = make_scheduler(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0), 2, 10)
     for step in range(10):
         assert plain.lr_lambdas[0](step) == reference.lr_lambdas[0](step)
+
+
+def test_projection_init_is_orthogonal_unless_the_student_is_wider(tiny_models, tiny_data, tmp_path):
+    """auto: a bias-free orthonormal start for the 32-d student; least squares (with bias) for the 64-d one."""
+    for student, expect_bias in (("student", False), ("wide_student", True)):
+        out = tmp_path / student
+        flags = {"student_model": tiny_models[student], "skip_phase2": True, "save_to_artifacts": True}
+        assert main(tiny_run_flags(tiny_models, tiny_data, out, **flags)) == 0
+        weights = exported_weights(out)
+        assert weights["dense.linear.weight"].shape[0] == 48
+        assert ("dense.linear.bias" in weights) == expect_bias, student
