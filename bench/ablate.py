@@ -3,7 +3,7 @@
     python bench/ablate.py --random_projection_init -- --config configs/demo_mpnet.yaml [distill flags]
 
 --random_projection_init: the projection starts from nn.Linear's default random init instead of the
-least-squares fit (distill always fits it by least squares; this patches that one call).
+orthogonal or least-squares fit (distill always fits it; this patches both fitting functions).
 The other ablations of docs/QUALITY.md are flags now: --projection_lr_scale X and
 --matryoshka_full_teacher_similarity (pass them after `--`).
 """
@@ -38,7 +38,7 @@ def main() -> int:
                 activation_function=torch.nn.Identity(),
             )
 
-        train.least_squares_projection = random_projection
+        train.least_squares_projection = train.orthogonal_projection = random_projection
     return train.main(rest)
 
 

@@ -17,8 +17,6 @@ or with `--num_processes N` anywhere (distill relaunches itself through accelera
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import os
 import sys
 import time
@@ -57,7 +55,14 @@ from distill.student import (
 )
 from distill.teacher import TeacherCache, TeacherSpec, mine_hard_negatives
 from distill.tracking import resolve_trackers
-from distill.training import CheckpointSettings, PhaseSettings, TrainingStopped, scaled_lr, train_phase
+from distill.training import (
+    CheckpointSettings,
+    PhaseSettings,
+    TrainingStopped,
+    release_freed_memory,
+    scaled_lr,
+    train_phase,
+)
 
 logger = get_logger(__name__)
 
@@ -469,21 +474,6 @@ def run(config: Config) -> dict:
     accelerator.print(f"\n{table}\n\nresults: {path}")
     accelerator.end_training()
     return results
-
-
-def release_freed_memory() -> None:
-    """Hand the heap's free pages back to the OS (glibc's malloc_trim) between stages.
-
-    Batches of varying shapes leave freed activation blocks in the heap, and the resident size ratchets
-    up; trimming between phases and evaluations returns them without taxing every step (serving large
-    blocks by mmap instead cost about 30% of phase-2 speed in page faults).
-    """
-    gc.collect()
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass  # not glibc: nothing to trim
 
 
 def _quiet_libraries() -> None:

@@ -9,8 +9,11 @@ the same trajectory as 1 process x batch N*B.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import math
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +34,7 @@ from distill.student import DistillationModel
 logger = get_logger(__name__)
 
 NO_DECAY = ("bias", "LayerNorm.weight", "layer_norm.weight", "norm.weight")
+TRIM_EVERY = 50  # optimizer steps between heap trims (see release_freed_memory); 0 disables
 
 
 @dataclass
@@ -46,6 +50,21 @@ class PhaseSettings:
     projection_lr_scale: float = 1.0
     backbone_frozen_steps: int = 0  # optimizer steps at the start in which only the projection learns
     teacher_basis: torch.Tensor | None = None  # MRL: (teacher_dim, student_dim), applied before truncation
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim), between stages and every few steps.
+
+    Batches of varying shapes leave freed activation blocks scattered through the heap, and the resident
+    size ratchets up with the number of distinct shapes seen; trimming returns those pages for a few page
+    faults when they are reused (serving large blocks by mmap instead cost about 30% of the speed).
+    """
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass  # not glibc: nothing to trim
 
 
 def scaled_lr(lr: float, scaling: str, num_processes: int) -> float:
@@ -279,6 +298,8 @@ def train_phase(
                 evaluate(accelerator.unwrap_model(wrapped), state.optimizer_steps)  # collective: all ranks
             if checkpoints.every and state.optimizer_steps % checkpoints.every == 0:
                 save_checkpoint(accelerator, checkpoints.output_dir, state, checkpoints.limit)
+            if TRIM_EVERY and accelerator.device.type == "cpu" and state.optimizer_steps % TRIM_EVERY == 0:
+                release_freed_memory()
         state.batches_done = window_start = 0
     state.epoch = settings.epochs
     state.train_seconds = time.perf_counter() - started
