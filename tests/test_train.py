@@ -149,7 +149,10 @@ def test_shipped_minilm_on_embedded_data_gets_closer_to_the_teacher(tmp_path):
     ]
     assert main(flags) == 0
     results = results_of(out)
-    assert results["student_after"]["teacher_cosine"] > results["student_before"]["teacher_cosine"] + 0.05
+    # the student starts rotated onto the teacher's principal axes (Procrustes), and training brings it closer still
+    assert results["student_after"]["teacher_cosine"] > results["student_before"]["teacher_cosine"] + 0.03
+    matryoshka = results["student_after"]["matryoshka_ndcg@10"]
+    assert matryoshka["192"] >= 0.95 * matryoshka["384"]  # the PCA basis keeps half the dimension nearly whole
     assert {"ndcg@10", "sts_spearman"} <= set(results["teacher"]) and results["teacher"]["ndcg@10"] > 0.3
     exported = SentenceTransformer(str(out / "artifacts" / "model"), device="cpu")
     assert len(exported[0].auto_model.encoder.layer) == 3
