@@ -177,6 +177,10 @@ class LaunchConfig:
     accelerate_config: str | None = _opt(
         default=None, help="accelerate config file (topology) used when distill relaunches itself."
     )
+    ddp_timeout: int = _opt(
+        default=1800,
+        help="Seconds a process waits in a collective (and to join the group) before failing, so a restart can retry.",
+    )
 
 
 @dataclass

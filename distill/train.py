@@ -22,11 +22,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
-from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
 from accelerate.logging import get_logger
 from accelerate.utils import broadcast_object_list, set_seed
 
@@ -104,6 +105,7 @@ def make_accelerator(config: Config) -> Accelerator:
         mixed_precision=config.training.mixed_precision,
         gradient_accumulation_steps=config.training.gradient_accumulation_steps,
         dataloader_config=DataLoaderConfiguration(split_batches=True),  # global batches, split over processes
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=config.launch.ddp_timeout))],
     )
 
 
