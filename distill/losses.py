@@ -65,13 +65,12 @@ def similarity_kl_loss(
     weights: LossWeights,
     dims: list[int] | None = None,
     exclude_self: bool = False,
-    weight: float | None = None,
 ) -> torch.Tensor:
     """KL(teacher || student) of each query's softmax over all in-batch passages (positives and negatives).
 
     The student learns the teacher's whole ranking of the batch, not only which passage is positive.
     `exclude_self` (queries and passages are the same texts, as in phase 1) leaves each text's similarity
-    to itself out of its softmax. `weight` overrides `weights.kl`.
+    to itself out of its softmax.
     """
     total = student_queries.new_zeros(())
     query_spaces = _spaces(student_queries.float(), teacher_queries.float(), dims)
@@ -92,4 +91,4 @@ def similarity_kl_loss(
             reduction="batchmean",
             log_target=True,
         )
-    return (weights.kl if weight is None else weight) * total / len(query_spaces)
+    return weights.kl * total / len(query_spaces)

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -139,8 +139,7 @@ def phase_loss(
     """(loss to backpropagate, loss to report) for one batch of either phase."""
     dims, weights = settings.matryoshka_dims, settings.weights
     if settings.teacher_basis is not None:  # the teacher's vectors in the basis the student is trained in
-        basis = settings.teacher_basis.to(accelerator.device)
-        batch = {k: v @ basis if k.startswith("teacher") else v for k, v in batch.items()}
+        batch = {k: v @ settings.teacher_basis if k.startswith("teacher") else v for k, v in batch.items()}
     if settings.name == "phase1":
         ((_, target),) = model(batch["texts"])
         loss = alignment_loss(target, batch["teacher"], weights, dims)
@@ -148,7 +147,8 @@ def phase_loss(
             return loss, loss.detach()
         texts = gather_with_grad(accelerator, target)
         teacher = accelerator.gather(batch["teacher"].contiguous())
-        similarity = similarity_kl_loss(texts, texts, teacher, teacher, weights, dims, True, weights.phase1_kl)
+        phase1_weights = replace(weights, kl=weights.phase1_kl)
+        similarity = similarity_kl_loss(texts, texts, teacher, teacher, phase1_weights, dims, exclude_self=True)
         return loss + accelerator.num_processes * similarity, (loss + similarity).detach()
     (_, queries), (_, passages) = model(batch["queries"], batch["passages"])
     alignment = 0.5 * (
@@ -217,6 +217,8 @@ def train_phase(
     Updates `state` (losses, steps, samples, seconds) in place and returns the unwrapped model. With
     `eval_steps`, `evaluate(model, step)` runs on every process every that many optimizer steps.
     """
+    if settings.teacher_basis is not None:  # moved to the device once, not on every batch
+        settings = replace(settings, teacher_basis=settings.teacher_basis.to(accelerator.device))
     optimizer = make_optimizer(model, settings.lr, settings.weight_decay, settings.projection_lr_scale)
     sampler = loader.batch_sampler
     steps_per_epoch = math.ceil(len(loader) / accelerator.gradient_accumulation_steps)

@@ -135,8 +135,8 @@ def test_similarity_kl_is_positive_and_matches_reference() -> None:
 
 def test_similarity_kl_excluding_self_matches_a_softmax_over_the_other_texts() -> None:
     student, teacher = random_unit(6, 12, seed=21), random_unit(6, 12, seed=22)
-    weights = LossWeights(temperature=0.1)
-    loss = similarity_kl_loss(student, student, teacher, teacher, weights, exclude_self=True, weight=0.5)
+    weights = LossWeights(kl=0.5, temperature=0.1)
+    loss = similarity_kl_loss(student, student, teacher, teacher, weights, exclude_self=True)
     assert math.isfinite(loss.item()) and loss.item() > 0.01
     # reference: each row's softmax over the 5 other texts only
     rows = []
@@ -153,7 +153,7 @@ def test_similarity_kl_excluding_self_matches_a_softmax_over_the_other_texts() -
         )
     assert loss.item() == pytest.approx(0.5 * float(np.mean(rows)), rel=1e-4)
     # without the exclusion, the self-similarity (1 / T) dominates every row and the loss is much smaller
-    with_self = similarity_kl_loss(student, student, teacher, teacher, weights, weight=0.5)
+    with_self = similarity_kl_loss(student, student, teacher, teacher, weights)
     assert with_self.item() < 0.5 * loss.item()
     # identical student and teacher: zero, and the gradient is finite (no -inf - -inf NaN)
     leaf = teacher.clone().requires_grad_(True)
