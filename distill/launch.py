@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from distill.errors import DistillError
 
@@ -89,3 +91,36 @@ def maybe_relaunch(num_processes: int | None, argv: list[str], accelerate_config
         )
     command, env = relaunch_command(num_processes, argv, accelerate_config)
     return subprocess.call(command, env=env)
+
+
+def join_group_of_this_attempt(timeout: timedelta) -> bool:
+    """Form the process group in a store namespace of this restart attempt when torchelastic shares its store.
+
+    Under `--max_restarts`, torchelastic keeps one TCPStore for every attempt (the agent's, always with the
+    static rendezvous, by default with c10d) and hands it to the workers without a per-attempt prefix
+    (pytorch/pytorch#135712). A restarted group then reads the addresses its killed predecessors left there
+    and hangs in gloo's or NCCL's connect. Prefixing the store with the attempt number gives each attempt
+    its own keys; Accelerate then finds the group formed and uses it. Returns whether it formed the group.
+    Multi-node elastic runs with the c10d rendezvous should also export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    (each node counts its own restarts, so attempt numbers can differ between nodes; see the README).
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) <= 0:
+        return False
+    if dist.is_initialized() or current_world_size() <= 1:
+        return False
+    store = dist.TCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), current_world_size(), is_master=False, timeout=timeout
+    )
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    use_cuda = torch.cuda.is_available() and env.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true")
+    if use_cuda:
+        torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo",
+        store=dist.PrefixStore(f"distill/attempt-{attempt}", store),
+        rank=int(env["RANK"]),
+        world_size=current_world_size(),
+        timeout=timeout,
+    )
+    return True

@@ -39,7 +39,7 @@ from distill.errors import DistillError
 from distill.evaluation import EvalInputs, EvalVectors, encode_student, evaluate_student, evaluate_teacher
 from distill.export import export_models, model_card
 from distill.hub import declared_dimension, resolve_model
-from distill.launch import maybe_relaunch
+from distill.launch import join_group_of_this_attempt, maybe_relaunch
 from distill.losses import LossWeights
 from distill.report import results_table, write_report, write_results
 from distill.student import (
@@ -98,6 +98,8 @@ def make_accelerator(config: Config) -> Accelerator:
         # Launched as several processes on a machine without CUDA: without this, accelerate (1.x) makes each
         # process train alone; with it they form one gloo group (DistributedType.MULTI_CPU).
         os.environ["ACCELERATE_USE_CPU"] = "true"
+    timeout = timedelta(seconds=config.launch.ddp_timeout)
+    join_group_of_this_attempt(timeout)  # only under torchelastic restarts; Accelerate forms the group otherwise
     names = [n.strip() for n in config.output.log_with.split(",") if n.strip() and n.strip() != "none"]
     return Accelerator(
         log_with=resolve_trackers(names, config.output.output_dir) or None,
@@ -105,7 +107,7 @@ def make_accelerator(config: Config) -> Accelerator:
         mixed_precision=config.training.mixed_precision,
         gradient_accumulation_steps=config.training.gradient_accumulation_steps,
         dataloader_config=DataLoaderConfiguration(split_batches=True),  # global batches, split over processes
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=config.launch.ddp_timeout))],
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)],
     )
 
 

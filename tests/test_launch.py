@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,56 @@ def test_run_ddp_without_gpus_runs_cpu_processes(tiny_models, tiny_data, tmp_pat
     assert "no CUDA GPU found" in done.stderr
     results = json.loads((out / "results.json").read_text())
     assert results["world_size"] == 2 and results["mode"] == "matryoshka"
+
+
+RESTARTED_WORKER = """
+import os, torch, torch.distributed as dist
+from datetime import timedelta
+from distill.launch import join_group_of_this_attempt
+assert join_group_of_this_attempt(timedelta(seconds=30))
+total = torch.tensor([float(os.environ["RANK"]) + 1])
+dist.all_reduce(total)
+print(total.item())
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_restarted_group_does_not_read_the_addresses_of_the_attempt_before(tmp_path):
+    """torchelastic's shared store keeps attempt 0's keys; a restarted rank 0 that arrives first must not use them.
+
+    Without the per-attempt prefix, attempt 1's rank 0 reads rank 1's stale gloo address and fails to connect
+    (reproduced here with a plain `init_process_group`: 'Connection refused').
+    """
+    store = torch.distributed.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+
+    def worker(rank: int, attempt: int) -> subprocess.Popen:
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(store.port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            TORCHELASTIC_USE_AGENT_STORE="True",
+            TORCHELASTIC_MAX_RESTARTS="3",
+            TORCHELASTIC_RESTART_COUNT=str(attempt),
+        )
+        return subprocess.Popen(
+            [sys.executable, "-c", RESTARTED_WORKER],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    for attempt in (0, 1):
+        first = worker(0, attempt)
+        if attempt:
+            time.sleep(3)  # rank 0 of the restart reads the store while rank 1's key is still attempt 0's
+        workers = [first, worker(1, attempt)]
+        for process in workers:
+            out, err = process.communicate(timeout=120)
+            assert process.returncode == 0, err[-3000:]
+            assert out.strip() == "3.0"  # 1 + 2: both ranks in one group
