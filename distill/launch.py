@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from accelerate.utils import parse_flag_from_env
 
 from distill.errors import DistillError
 
@@ -107,20 +108,19 @@ def join_group_of_this_attempt(timeout: timedelta) -> bool:
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) <= 0:
         return False
-    if dist.is_initialized() or current_world_size() <= 1:
+    world_size = current_world_size()
+    if dist.is_initialized() or world_size <= 1:
         return False
-    store = dist.TCPStore(
-        env["MASTER_ADDR"], int(env["MASTER_PORT"]), current_world_size(), is_master=False, timeout=timeout
-    )
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=False, timeout=timeout)
     attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    use_cuda = torch.cuda.is_available() and env.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true")
+    use_cuda = torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU")  # Accelerate's own rule
     if use_cuda:
         torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
     dist.init_process_group(
         "nccl" if use_cuda else "gloo",
         store=dist.PrefixStore(f"distill/attempt-{attempt}", store),
         rank=int(env["RANK"]),
-        world_size=current_world_size(),
+        world_size=world_size,
         timeout=timeout,
     )
     return True

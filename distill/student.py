@@ -124,6 +124,19 @@ def normalize_module():  # noqa: ANN201
     return Normalize()
 
 
+def linear_dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
+    """A sentence-transformers Dense computing `x @ weight (+ bias)`, no activation; weight is (in_dim, out_dim)."""
+    extra = {} if bias is None else {"init_bias": bias.float().contiguous()}
+    return dense_module()(
+        weight.shape[0],
+        weight.shape[1],
+        bias=bias is not None,
+        activation_function=nn.Identity(),
+        init_weight=weight.T.float().contiguous(),
+        **extra,
+    )
+
+
 def least_squares_projection(student_embeddings: torch.Tensor, teacher_embeddings: torch.Tensor) -> nn.Module:
     """A linear Dense layer (with bias) fitted to send student vectors to teacher vectors, by ridge least squares.
 
@@ -135,14 +148,7 @@ def least_squares_projection(student_embeddings: torch.Tensor, teacher_embedding
     x1 = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], dim=1)  # (n, s+1): the last column fits the bias
     ridge = 1e-3 * torch.eye(x1.shape[1], dtype=x.dtype) * (x1.pow(2).sum() / len(x))
     solution = torch.linalg.solve(x1.T @ x1 + ridge, x1.T @ y)  # (s+1, t)
-    return dense_module()(
-        x.shape[1],
-        y.shape[1],
-        bias=True,
-        activation_function=nn.Identity(),
-        init_weight=solution[:-1].T.float().contiguous(),
-        init_bias=solution[-1].float().contiguous(),
-    )
+    return linear_dense(solution[:-1], solution[-1])
 
 
 def orthogonal_projection(student_embeddings: torch.Tensor, teacher_embeddings: torch.Tensor) -> nn.Module:
@@ -156,14 +162,7 @@ def orthogonal_projection(student_embeddings: torch.Tensor, teacher_embeddings: 
             f"an orthogonal projection cannot map {student_embeddings.shape[1]} dimensions into the teacher's "
             f"{teacher_embeddings.shape[1]}; pass --projection_init least_squares"
         )
-    weight = orthogonal_procrustes(student_embeddings, teacher_embeddings)  # (student_dim, teacher_dim)
-    return dense_module()(
-        weight.shape[0],
-        weight.shape[1],
-        bias=False,
-        activation_function=nn.Identity(),
-        init_weight=weight.T.contiguous(),
-    )
+    return linear_dense(orthogonal_procrustes(student_embeddings, teacher_embeddings))
 
 
 def pca_basis(vectors: np.ndarray, chunk_size: int = 8192) -> np.ndarray:
@@ -199,8 +198,7 @@ def add_rotation(student, rotation: torch.Tensor) -> None:  # noqa: ANN001 - Sen
     It goes after pooling and before a final Normalize, so the saved student applies it and loads as it is.
     A rotation changes no cosine: it only decides which coordinates come first when the vector is truncated.
     """
-    dim = rotation.shape[0]
-    dense = dense_module()(dim, dim, bias=False, activation_function=nn.Identity(), init_weight=rotation.T.contiguous())
+    dense = linear_dense(rotation)
     dense.requires_grad_(False)
     modules = list(student)
     normalize = type(normalize_module())
