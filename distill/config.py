@@ -23,6 +23,9 @@ from distill.errors import DistillError
 
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
 LR_SCALINGS = ("none", "linear", "sqrt")
+# Accelerate's DynamoBackend values that train on GPUs or CPUs (the rest: inference-only, other devices, or gone).
+TORCH_COMPILE_BACKENDS = ("inductor", "cudagraphs", "aot_eager", "eager")
+DDP_COMM_HOOKS = ("none", "fp16", "bf16")
 
 
 def _opt(flag: str | None = None, help: str = "", choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
@@ -137,6 +140,22 @@ class TrainingConfig:
     )
     matryoshka_full_teacher_similarity: bool = _opt(
         default=False, help="MRL: the similarity loss at each dim targets the teacher's full-width similarities."
+    )
+    gradient_checkpointing: bool = _opt(
+        default=False, help="Recompute the student's layer activations in the backward pass: less memory, more compute."
+    )
+    torch_compile: bool = _opt(
+        default=False, help="Compile the student with torch.compile, its repeated layers once (regional compilation)."
+    )
+    torch_compile_backend: str = _opt(
+        default="inductor",
+        choices=TORCH_COMPILE_BACKENDS,
+        help="With torch_compile: the backend (inductor for GPUs; aot_eager/eager compile no kernels, to debug).",
+    )
+    ddp_comm_hook: str = _opt(
+        default="none",
+        choices=DDP_COMM_HOOKS,
+        help="Several processes: all-reduce gradients compressed to fp16/bf16 (half the traffic; bf16 needs NCCL).",
     )
     skip_phase1: bool = _opt(default=False, help="Skip phase 1 (general-text alignment).")
     skip_phase2: bool = _opt(default=False, help="Skip phase 2 (query/passage distillation).")

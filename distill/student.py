@@ -11,6 +11,7 @@ from collections import OrderedDict
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from distill.errors import DistillError
@@ -73,6 +74,64 @@ def prune_layers(student, num_layers: int) -> list[int]:  # noqa: ANN001
         if attention is not None and hasattr(attention, "layer_idx"):
             attention.layer_idx = new_index
     return kept
+
+
+def enable_gradient_checkpointing(student: nn.Module) -> list[nn.Module]:
+    """Recompute the student's layer activations in the backward pass; returns the modules it acts on.
+
+    Each layer's activations are recomputed in the backward pass instead of kept: less memory for about a
+    third more compute, same gradients. Non-reentrant checkpointing works under DDP and replays dropout
+    with the RNG state of the forward pass. It acts only in training mode, so evaluation and the exported
+    model (which keeps no such flag in its config) are unaffected. Backbones that Hugging Face can
+    checkpoint use its own switch; others (MPNet, for one, in transformers 5) get each block of their
+    repeated layers (a ModuleList of one class) wrapped in `torch.utils.checkpoint`.
+    """
+    backbones: list[nn.Module] = []
+    for module in student.modules():
+        if getattr(module, "supports_gradient_checkpointing", False) and not any(
+            module in set(b.modules()) for b in backbones
+        ):
+            backbones.append(module)  # the outermost supporting module: it enables its own submodules
+    for backbone in backbones:
+        enable = getattr(backbone, "activation_checkpointing_enable", None)  # its name from transformers 5.x
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    covered = {m for b in backbones for m in b.modules()}
+    blocks = [
+        block
+        for module in student.modules()
+        if isinstance(module, nn.ModuleList) and module not in covered and _repeated(module)
+        for block in module
+    ]
+    for block in blocks:
+        _checkpoint_forward(block)
+    if not backbones and not blocks:
+        found = ", ".join(type(m).__name__ for m in student.children()) or type(student).__name__
+        raise DistillError(
+            f"gradient_checkpointing: the student ({found}) has no repeated layers to checkpoint; drop "
+            "--gradient_checkpointing or use a student built on a Hugging Face transformer"
+        )
+    return backbones + blocks
+
+
+def _repeated(layers: nn.ModuleList) -> bool:
+    """A stack of transformer layers: two or more blocks of one class that hold parameters."""
+    kinds = {type(block) for block in layers}
+    return len(layers) > 1 and len(kinds) == 1 and any(True for _ in layers[0].parameters())
+
+
+def _checkpoint_forward(block: nn.Module) -> None:
+    """Run `block` under non-reentrant checkpointing when training; its parameters and state_dict are unchanged."""
+    forward = block.forward
+
+    def checkpointed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if block.training and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return forward(*args, **kwargs)
+
+    block.forward = checkpointed
 
 
 def embedding_dim(student) -> int:  # noqa: ANN001

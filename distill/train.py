@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
+from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
 from accelerate.logging import get_logger
-from accelerate.utils import broadcast_object_list, set_seed
+from accelerate.utils import DDPCommunicationHookType, TorchDynamoPlugin, broadcast_object_list, set_seed
 
 from distill.batching import Phase1Batches, Phase2Batches, TokenizedTexts, make_loader
 from distill.checkpoint import PHASES, TrainingState, find_checkpoint, read_state
@@ -47,6 +47,7 @@ from distill.student import (
     add_rotation,
     check_dimensions,
     embedding_dim,
+    enable_gradient_checkpointing,
     least_squares_projection,
     load_student,
     matryoshka_dims,
@@ -92,23 +93,47 @@ class TeacherVectors:
 
 
 def make_accelerator(config: Config) -> Accelerator:
-    if config.training.mixed_precision == "fp16" and not torch.cuda.is_available():
+    """The Accelerator of this process: precision, accumulation, torch.compile and DDP's gradient compression."""
+    t = config.training
+    if t.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise DistillError("mixed_precision fp16 needs a CUDA GPU; use bf16 or no on a CPU")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
         # Launched as several processes on a machine without CUDA: without this, accelerate (1.x) makes each
         # process train alone; with it they form one gloo group (DistributedType.MULTI_CPU).
         os.environ["ACCELERATE_USE_CPU"] = "true"
+        if t.ddp_comm_hook == "bf16":  # PyTorch refuses the bf16 hook without CUDA and NCCL >= 2.10
+            raise DistillError(
+                "ddp_comm_hook bf16 needs CUDA GPUs (NCCL); these processes run on CPUs over gloo, "
+                "so drop --ddp_comm_hook or pass --ddp_comm_hook fp16"
+            )
     timeout = timedelta(seconds=config.launch.ddp_timeout)
     join_group_of_this_attempt(timeout)  # only under torchelastic restarts; Accelerate forms the group otherwise
+    handlers = [InitProcessGroupKwargs(timeout=timeout)]
+    if t.ddp_comm_hook != "none":  # registered when Accelerate wraps the model in DDP; one process has no DDP
+        handlers.append(DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType(t.ddp_comm_hook)))
     names = [n.strip() for n in config.output.log_with.split(",") if n.strip() and n.strip() != "none"]
     return Accelerator(
         log_with=resolve_trackers(names, config.output.output_dir) or None,
         project_dir=config.output.output_dir,
-        mixed_precision=config.training.mixed_precision,
-        gradient_accumulation_steps=config.training.gradient_accumulation_steps,
+        mixed_precision=t.mixed_precision,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
         dataloader_config=DataLoaderConfiguration(split_batches=True),  # global batches, split over processes
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)],
+        kwargs_handlers=handlers,
+        # without --torch_compile, None: the dynamo settings of the accelerate config, if any
+        dynamo_plugin=compile_plugin(t.torch_compile_backend) if t.torch_compile else None,
     )
+
+
+def compile_plugin(backend: str) -> TorchDynamoPlugin:
+    """torch.compile as Accelerate applies it in `prepare`: regional, with dynamic shapes.
+
+    Regional compilation compiles the repeated transformer layer once and reuses the graph for the others,
+    so compiling takes seconds rather than minutes. Shapes are dynamic because padded lengths change from
+    batch to batch; left unset, `accelerate launch` passes its `--dynamo_use_dynamic` default (False), and
+    every new length recompiles until dynamo's recompile limit (8) makes the rest run uncompiled.
+    With mixed_precision no on CUDA, Accelerate also turns on TF32 matmuls whenever a backend is set.
+    """
+    return TorchDynamoPlugin(backend=backend, use_regional_compilation=True, dynamic=True)
 
 
 def check_output_dir(accelerator: Accelerator, path: str) -> Path:
@@ -222,6 +247,8 @@ def build_student(
         config.model.trust_remote_code,
     )
     freeze_unused_parameters(student)
+    if config.training.gradient_checkpointing:
+        enable_gradient_checkpointing(student)  # before Accelerate prepares (and perhaps compiles) the model
     student.to(accelerator.device)
     student_dim = embedding_dim(student)
     check_dimensions(student_dim, teacher.dim, config.model.use_projection)
@@ -241,8 +268,8 @@ def build_student(
         if init == "auto":
             init = "orthogonal" if student_dim <= teacher.dim else "least_squares"
         fit = orthogonal_projection if init == "orthogonal" else least_squares_projection
-        projection = fit(torch.from_numpy(student_vectors), torch.from_numpy(sampled_targets))
-        return DistillationModel(student, projection), None, None
+        projection = fit(torch.from_numpy(student_vectors), torch.from_numpy(sampled_targets))  # fitted on the CPU
+        return DistillationModel(student, projection.to(accelerator.device)), None, None
     # MRL with a PCA basis: the teacher's coordinates ordered by variance, so its truncations keep the most;
     # the student gets the fixed rotation that best lines its own space up with that basis.
     pca_rows = np.sort(np.random.default_rng(config.training.seed).permutation(len(targets))[:PCA_FIT_SAMPLES])

@@ -201,6 +201,17 @@ class _Preemption:
         cls.requested = True
 
 
+def plain_model(accelerator: Accelerator, wrapped: torch.nn.Module) -> DistillationModel:
+    """The model `prepare` was given, free of DDP and of torch.compile, sharing the trained parameters.
+
+    Not compiled, so evaluation runs eagerly, checkpoints and exports carry no `_orig_mod.` in their keys,
+    and the next phase's `prepare` compiles it afresh. Regional compilation leaves the given model untouched
+    and compiles a copy of its module tree; Accelerate's `unwrap_model` keeps that copy by default (under
+    DDP it even returns the DDP wrapper of the copy), so `keep_torch_compile=False` is what gives it back.
+    """
+    return accelerator.unwrap_model(wrapped, keep_torch_compile=False)
+
+
 def train_phase(
     accelerator: Accelerator,
     model: DistillationModel,
@@ -297,7 +308,7 @@ def train_phase(
                     exit_code=143,
                 )
             if evaluate is not None and eval_steps and state.optimizer_steps % eval_steps == 0:
-                evaluate(accelerator.unwrap_model(wrapped), state.optimizer_steps)  # collective: all ranks
+                evaluate(plain_model(accelerator, wrapped), state.optimizer_steps)  # collective: all ranks
             if checkpoints.every and state.optimizer_steps % checkpoints.every == 0:
                 save_checkpoint(accelerator, checkpoints.output_dir, state, checkpoints.limit)
             if TRIM_EVERY and accelerator.device.type == "cpu" and state.optimizer_steps % TRIM_EVERY == 0:
@@ -306,6 +317,6 @@ def train_phase(
     state.epoch = settings.epochs
     state.train_seconds = time.perf_counter() - started
     progress.close()
-    model = accelerator.unwrap_model(wrapped)
+    model = plain_model(accelerator, wrapped)
     accelerator.free_memory()  # forget this phase's optimizer, scheduler and loader; the next phase re-prepares
     return model

@@ -110,11 +110,33 @@ def test_unknown_yaml_key_via_build_config() -> None:
         (["--matryoshka_dims", "384,big"], r"matryoshka_dims: expected a list of integers"),
         (["--batch_size", "none"], r"batch_size: expected int, got 'none'"),
         (["--skip_phase1", "--skip_phase2"], r"skip_phase1 and skip_phase2 are both set"),
+        (
+            ["--torch_compile_backend", "tvm"],
+            r"torch_compile_backend: expected one of inductor/cudagraphs/aot_eager/eager, got 'tvm'",
+        ),
+        (["--ddp_comm_hook", "powersgd"], r"ddp_comm_hook: expected one of none/fp16/bf16, got 'powersgd'"),
+        (["--gradient_checkpointing", "sometimes"], r"gradient_checkpointing: expected True or False"),
     ],
 )
 def test_invalid_values_are_rejected(argv: list[str], message: str) -> None:
     with pytest.raises(DistillError, match=message):
         load_config(argv)
+
+
+def test_gpu_training_options() -> None:
+    config = load_config([])
+    assert not config.training.torch_compile and not config.training.gradient_checkpointing
+    assert config.training.torch_compile_backend == "inductor" and config.training.ddp_comm_hook == "none"
+    argv = ["--torch_compile", "--torch_compile_backend", "aot_eager", "--gradient_checkpointing", "--ddp_comm_hook"]
+    config = load_config([*argv, "bf16"])
+    assert config.training.torch_compile and config.training.gradient_checkpointing
+    assert config.training.torch_compile_backend == "aot_eager" and config.training.ddp_comm_hook == "bf16"
+
+
+def test_compile_backends_are_accelerates() -> None:
+    from accelerate.utils import DynamoBackend
+
+    assert {b.upper() for b in config_module.TORCH_COMPILE_BACKENDS} <= {b.value for b in DynamoBackend}
 
 
 def test_null_for_a_required_value_from_yaml(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The student: layer selection and pruning, the least-squares projection, dimension checks."""
+"""The student: layer selection and pruning, gradient checkpointing, the projections, dimension checks."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from distill.student import (
     add_rotation,
     check_dimensions,
     embedding_dim,
+    enable_gradient_checkpointing,
     evenly_spaced,
     least_squares_projection,
     load_student,
@@ -122,6 +123,72 @@ def test_pruning_to_more_layers_than_exist(tiny_models: dict[str, Path]) -> None
 def test_missing_student_folder() -> None:
     with pytest.raises(DistillError, match=r"model folder '/no/such/student' does not exist"):
         load_student("/no/such/student")
+
+
+# ---------------------------------------------------------------- gradient checkpointing
+
+
+def test_gradient_checkpointing_recomputes_each_layer_with_the_same_gradients(tiny_models: dict[str, Path]) -> None:
+    texts = sentences(4, seed=5)
+    gradients, attention_calls = {}, {}
+    for checkpointing in (False, True):
+        student = load_student(str(tiny_models["student"]))
+        if checkpointing:
+            assert enable_gradient_checkpointing(student) == [student[0].auto_model]
+            assert all(layer.gradient_checkpointing for layer in encoder_layers(student))
+        calls = []
+        for layer in encoder_layers(student):
+            layer.attention.register_forward_hook(lambda *_, seen=calls: seen.append(1))
+        student.train()
+        student(student_features(student, texts))["sentence_embedding"].pow(2).sum().backward()
+        attention_calls[checkpointing] = len(calls)
+        gradients[checkpointing] = {n: p.grad for n, p in student.named_parameters() if p.grad is not None}
+    assert attention_calls == {False: 4, True: 8}  # each layer runs again in the backward pass
+    assert gradients[True].keys() == gradients[False].keys()
+    for name, gradient in gradients[False].items():
+        torch.testing.assert_close(gradients[True][name], gradient, rtol=0, atol=1e-6, msg=name)
+
+
+def test_gradient_checkpointing_needs_a_transformer(tiny_models: dict[str, Path]) -> None:
+    from sentence_transformers.sentence_transformer.modules import StaticEmbedding
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tiny_models["student"] / "tokenizer.json"))
+    static = SentenceTransformer(modules=[StaticEmbedding(tokenizer, embedding_dim=8)], device="cpu")
+    with pytest.raises(
+        DistillError,
+        match=r"^gradient_checkpointing: the student \(StaticEmbedding\) has no repeated layers to checkpoint; "
+        r"drop --gradient_checkpointing or use a student built on a Hugging Face transformer$",
+    ):
+        enable_gradient_checkpointing(static)
+
+
+def test_gradient_checkpointing_wraps_the_layers_of_a_backbone_hugging_face_cannot_checkpoint(
+    tiny_models: dict[str, Path],
+) -> None:
+    """MPNet (the default student) has no Hugging Face checkpointing in transformers 5: its layers are wrapped."""
+
+    def gradients(checkpointing: bool) -> tuple[torch.Tensor, int]:
+        student = load_student(str(tiny_models["student"]))
+        backbone = student[0].auto_model
+        backbone.supports_gradient_checkpointing = False  # as MPNetModel declares it
+        layers = list(backbone.encoder.layer)
+        calls = [0]
+        layers[0].attention.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        if checkpointing:
+            assert enable_gradient_checkpointing(student) == layers
+        student.train()
+        torch.manual_seed(0)  # dropout: checkpointing must replay the forward pass's masks
+        features = student.preprocess(["a first sentence", "a second, longer sentence than the first"])
+        features.pop("modality", None)
+        student(features)["sentence_embedding"].pow(2).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in student.parameters() if p.grad is not None])
+        return grads, calls[0]
+
+    plain, plain_calls = gradients(False)
+    checkpointed, checkpointed_calls = gradients(True)
+    assert (plain_calls, checkpointed_calls) == (1, 2)  # the layer ran again in the backward pass
+    assert torch.allclose(plain, checkpointed, atol=1e-6)
 
 
 # ---------------------------------------------------------------- projection

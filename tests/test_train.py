@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer
 
 from conftest import reset_accelerate, tiny_run_flags
+from distill.errors import DistillError
 from distill.train import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -311,3 +312,172 @@ def test_projection_init_is_orthogonal_unless_the_student_is_wider(tiny_models, 
         weights = exported_weights(out)
         assert weights["dense.linear.weight"].shape[0] == 48
         assert ("dense.linear.bias" in weights) == expect_bias, student
+
+
+def option_run_flags(tiny_models, tiny_data, out: Path, cache: Path, **options) -> list[str]:  # noqa: ANN001
+    """A short exported run (6 + 4 optimizer steps, a checkpoint every 3) to hold a training option to.
+
+    The projection is fitted by ridge least squares: an orthogonal fit to 48 nearly parallel random-init
+    embeddings is ill-conditioned, and 2 processes, encoding in other batches, would fit a different one.
+    """
+    settings = {
+        "max_samples_phase1": 48,
+        "max_samples_phase2": 32,
+        "projection_init": "least_squares",
+        "checkpoint_steps": 3,
+        "checkpoints_total_limit": 9,
+        "teacher_cache_dir": cache,
+        "save_to_artifacts": True,
+    }
+    return tiny_run_flags(tiny_models, tiny_data, out, **settings, **options)
+
+
+@pytest.fixture(scope="module")
+def eager_run(tiny_models, tiny_data, tmp_path_factory) -> Path:
+    """The short run without options; its teacher cache (next to it) is shared by the runs compared with it."""
+    root = tmp_path_factory.mktemp("options")
+    assert main(option_run_flags(tiny_models, tiny_data, root / "eager", root / "cache")) == 0
+    reset_accelerate()
+    return root / "eager"
+
+
+def assert_same_losses(run: Path, reference: Path, atol: float = 0.0, rtol: float = 0.0) -> None:
+    for phase in ("phase1", "phase2"):
+        losses, expected = results_of(run)["phases"][phase]["losses"], results_of(reference)["phases"][phase]["losses"]
+        assert len(losses) == len(expected) > 0
+        np.testing.assert_allclose(losses, expected, atol=atol, rtol=rtol, err_msg=phase)
+
+
+def max_weight_difference(run: Path, reference: Path) -> float:
+    weights, expected = exported_weights(run), exported_weights(reference)
+    assert weights.keys() == expected.keys()
+    return max((weights[k] - expected[k]).abs().max().item() for k in weights)
+
+
+def test_make_accelerator_wires_compile_and_gradient_compression(tmp_path):
+    from accelerate.utils import DDPCommunicationHookType, DynamoBackend
+
+    from distill.config import build_config
+    from distill.train import make_accelerator
+
+    values = {"torch_compile": True, "torch_compile_backend": "aot_eager", "ddp_comm_hook": "fp16"}
+    accelerator = make_accelerator(build_config({**values, "log_with": "none", "output_dir": str(tmp_path)}))
+    plugin = accelerator.state.dynamo_plugin
+    assert plugin.backend == DynamoBackend.AOT_EAGER and plugin.use_regional_compilation and plugin.dynamic
+    assert accelerator.ddp_handler.comm_hook == DDPCommunicationHookType.FP16  # one process: no DDP, hook unused
+    reset_accelerate()
+    plain = make_accelerator(build_config({"log_with": "none", "output_dir": str(tmp_path)}))
+    assert plain.ddp_handler is None
+
+
+def test_bf16_gradient_compression_is_refused_on_cpu_processes(tmp_path, monkeypatch):
+    """PyTorch registers the bf16 hook only with CUDA and NCCL >= 2.10: say so at start-up, not in a DDP traceback."""
+    from distill.config import build_config
+    from distill.train import make_accelerator
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as accelerate launch sets it; restored after the test
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "false")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = build_config({"ddp_comm_hook": "bf16", "log_with": "none", "output_dir": str(tmp_path)})
+    with pytest.raises(DistillError, match=r"^ddp_comm_hook bf16 needs CUDA GPUs \(NCCL\).*drop --ddp_comm_hook"):
+        make_accelerator(config)
+
+
+def test_torch_compile_resumes_an_eager_checkpoint_and_trains_as_eager(
+    tiny_models, tiny_data, eager_run, tmp_path, monkeypatch
+):
+    """Regional compilation (aot_eager: no C++ compiler needed) from an eager checkpoint in mid phase 1, compiled
+    again for phase 2: the eager run's losses and weights, and checkpoints with the eager run's keys."""
+    import accelerate.accelerator
+
+    compiled = []
+    compile_regions = accelerate.accelerator.compile_regions
+
+    def recording_compile_regions(module, **kwargs):  # noqa: ANN001, ANN202
+        compiled.append(kwargs["backend"])
+        return compile_regions(module, **kwargs)
+
+    monkeypatch.setattr(accelerate.accelerator, "compile_regions", recording_compile_regions)
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_DYNAMIC", "False")  # what `accelerate launch` sets by default
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)  # not silently eager
+    out = tmp_path / "compiled"
+    options = {"torch_compile": True, "torch_compile_backend": "aot_eager"}
+    flags = option_run_flags(tiny_models, tiny_data, out, eager_run.parent / "cache", **options)
+    checkpoint = eager_run / "checkpoints" / "checkpoint-phase1-0000003"
+    torch._dynamo.utils.counters.clear()
+    assert main([*flags, "--resume_from_checkpoint", str(checkpoint)]) == 0
+    assert compiled == ["aot_eager", "aot_eager"]  # phase 1, then phase 2's prepare compiles the plain model again
+    frames = torch._dynamo.utils.counters["frames"]
+    assert frames["ok"] == frames["total"] > 0  # the layers did run compiled, none fell back to eager
+    assert_same_losses(out, eager_run, atol=1e-4)
+    assert max_weight_difference(out, eager_run) <= 1e-4
+    for name in ("checkpoint-phase1-0000006", "checkpoint-phase2-0000003"):
+        saved = load_file(str(out / "checkpoints" / name / "model.safetensors"))
+        assert saved.keys() == load_file(str(eager_run / "checkpoints" / name / "model.safetensors")).keys()
+    assert SentenceTransformer(str(out / "artifacts" / "model"), device="cpu").encode(["a river"]).shape == (1, 48)
+
+
+def test_gradient_checkpointing_changes_no_loss_and_stays_out_of_the_export(
+    tiny_models, tiny_data, eager_run, tmp_path, monkeypatch
+):
+    import distill.train
+
+    enabled = []
+    enable = distill.train.enable_gradient_checkpointing
+    monkeypatch.setattr(distill.train, "enable_gradient_checkpointing", lambda s: enabled.extend(enable(s)))
+    out = tmp_path / "checkpointed"
+    flags = option_run_flags(tiny_models, tiny_data, out, eager_run.parent / "cache", gradient_checkpointing=True)
+    assert main(flags) == 0
+    assert [type(m).__name__ for m in enabled] == ["BertModel"]
+    assert_same_losses(out, eager_run, atol=1e-5)
+    exported = out / "artifacts" / "model"
+    assert "checkpointing" not in (exported / "config.json").read_text()
+    backbone = SentenceTransformer(str(exported), device="cpu")[0].auto_model
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in backbone.modules())
+
+
+GRADIENT_COMPRESSION_RUN = """
+import os
+import sys
+
+import torch
+
+from distill.train import main
+
+register = torch.nn.parallel.DistributedDataParallel.register_comm_hook
+
+
+def recording_register(ddp, state, hook):  # notes each hook DDP is given, then registers it
+    with open(os.path.join(sys.argv[1], f"hooks-rank{os.environ['RANK']}.txt"), "a") as log:
+        log.write(hook.__name__ + "\\n")
+    return register(ddp, state, hook)
+
+
+torch.nn.parallel.DistributedDataParallel.register_comm_hook = recording_register
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.multiprocess
+def test_fp16_gradient_compression_on_two_cpu_processes(tiny_models, tiny_data, eager_run, tmp_path):
+    """gloo all-reduces fp16: the hook is registered for each phase on both ranks, and 2 x 4 with compressed
+    gradients trains close to the uncompressed 1 x 8 run (which 2 x 4 uncompressed matches to 1e-5).
+
+    fp16 keeps 11 significant bits, so each gradient is off by up to 2**-11 = 5e-4 of itself: the losses stay
+    within 0.2% (4 such roundings) of the uncompressed ones. Weights move further apart, as AdamW normalises
+    each gradient by its running size and turns a tiny gradient that fp16 rounds off into a step of up to
+    the learning rate; 10 steps at lr <= 1e-3 bound the difference by 2 x 10 x 1e-3.
+    """
+    script = tmp_path / "compressed_run.py"
+    script.write_text(GRADIENT_COMPRESSION_RUN)
+    out = tmp_path / "compressed"
+    flags = option_run_flags(
+        tiny_models, tiny_data, out, eager_run.parent / "cache", batch_size=4, ddp_comm_hook="fp16"
+    )
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu"]
+    launch([*command, "--num_machines", "1", "--main_process_port", "0", str(script), str(tmp_path), *flags])
+    assert results_of(out)["world_size"] == 2
+    for rank in (0, 1):
+        assert (tmp_path / f"hooks-rank{rank}.txt").read_text().split() == ["fp16_compress_hook"] * 2
+    assert_same_losses(out, eager_run, rtol=2e-3)
+    assert 1e-5 < max_weight_difference(out, eager_run) <= 2 * 10 * 1e-3  # compressed, so not the 1 x 8 weights
