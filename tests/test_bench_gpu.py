@@ -1,0 +1,73 @@
+"""bench/gpu.py's measuring pieces on the CPU: CI never has a GPU, and the script must work when one is lent."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from sentence_transformers import SentenceTransformer
+
+from conftest import sentences
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import gpu  # noqa: E402
+
+
+@pytest.fixture
+def tokens(tiny_models):  # noqa: ANN001, ANN201
+    from distill.batching import TokenizedTexts
+
+    student = gpu.make_student(tiny_models["student"])
+    return TokenizedTexts(student.tokenizer, sentences(96, seed=5), gpu.MAX_LENGTH)
+
+
+def test_flops_counted_a_chunk_at_a_time_equal_the_whole_batch_count(tiny_models, tokens) -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    student = gpu.make_student(tiny_models["student"])
+    collated = gpu.collate(tokens, gpu.grouped_batches(tokens, 16)[:3], dim=32)
+    whole = 0
+    for features, target in collated:
+        with FlopCounterMode(display=False) as counter:
+            ((student(dict(features))["sentence_embedding"] - target) ** 2).sum().backward()
+        whole += counter.get_total_flops()
+    assert whole > 0
+    assert gpu.count_flops(student, collated, chunk=4) == whole
+    assert all(p.grad is None for p in student.parameters())  # counting leaves no gradient behind
+    with pytest.raises(SystemExit, match="not a multiple"):
+        gpu.count_flops(student, collated, chunk=5)
+
+
+def test_a_floor_variant_times_its_steps_and_splits_them(tiny_models, tokens) -> None:
+    flops: dict = {}
+    result = gpu.floor_variant(
+        tiny_models["student"], tokens, 32, batch_size=8, warmup=2, steps=5, split=True, flops_cache=flops
+    )
+    assert (result["warmup_steps"], result["timed_steps"], result["batch_size"]) == (2, 5, 8)
+    assert result["samples_per_second"] == pytest.approx(40 / result["seconds"], rel=0.01)
+    assert set(result["split_ms_per_step"]) == {"forward", "backward", "optimizer"}
+    assert all(v > 0 for v in result["split_ms_per_step"].values())
+    assert result["timed_flops"] == gpu.count_flops(
+        gpu.make_student(tiny_models["student"]), gpu.collate(tokens, gpu.grouped_batches(tokens, 8)[2:7], dim=32)
+    )  # the timed batches' FLOPs, not the warm-up ones'
+    assert result["achieved_tflops"] == pytest.approx(result["timed_flops"] / result["seconds"] / 1e12, rel=1e-3)
+    assert 0 <= result["padding_fraction"] < 0.5  # length-grouped batches
+    checkpointed = gpu.floor_variant(
+        tiny_models["student"], tokens, 32, batch_size=8, warmup=2, steps=5, checkpointing=True, flops_cache={}
+    )
+    assert checkpointed["timed_flops"] == result["timed_flops"]  # recomputation is not counted
+    assert checkpointed["final_loss"] == pytest.approx(result["final_loss"], rel=1e-5)  # same steps, same model
+
+
+def test_random_copy_keeps_the_tokenizer_and_draws_new_weights(tiny_models, tmp_path) -> None:
+    source = tiny_models["student"]
+    copy = gpu.random_copy(source, tmp_path / "copy", seed=7)
+    assert (copy / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+    weights, original = load_file(str(copy / "model.safetensors")), load_file(str(source / "model.safetensors"))
+    assert weights.keys() == original.keys()
+    drawn = [k for k in weights if k.endswith(".weight") and "LayerNorm" not in k]  # biases start at 0 in both
+    assert len(drawn) > 10 and not any(torch.equal(weights[k], original[k]) for k in drawn)
+    assert SentenceTransformer(str(copy), device="cpu").encode(["a river"]).shape == (1, 32)
