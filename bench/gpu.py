@@ -288,7 +288,7 @@ def floor_variant(
         "warmup_steps": len(warm),
         "warmup_seconds": round(warmup_seconds, 2),
         "timed_steps": len(timed),
-        "seconds": round(timing["seconds"], 3),
+        "seconds": round(timing["seconds"], 6),
         "samples_per_second": round(samples / timing["seconds"], 1),
         "tokens_per_second": round(real / timing["seconds"]),
         "padding_fraction": round(1 - real / padded, 4),
