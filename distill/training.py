@@ -252,7 +252,7 @@ def train_phase(
         disable=not accelerator.is_local_main_process,
         dynamic_ncols=True,
     )
-    window_losses: list[torch.Tensor] = []
+    window_losses: list[float] = []
     window_start = state.batches_done  # batches done at the last optimizer step: where a resume restarts
     started = time.perf_counter() - state.train_seconds
     for epoch in range(state.epoch, settings.epochs):
@@ -267,12 +267,13 @@ def train_phase(
         for batch in batches:
             with accelerator.accumulate(wrapped):
                 loss, reported = phase_loss(accelerator, wrapped, batch, settings)
-                global_loss = accelerator.reduce(reported, reduction="mean")
-                if not torch.isfinite(global_loss):
+                # the one host read of a batch (on a GPU, a wait for it): the guard and the logged mean use it
+                global_loss = accelerator.reduce(reported, reduction="mean").item()
+                if not math.isfinite(global_loss):
                     state.batches_done = window_start
                     path = save_checkpoint(accelerator, checkpoints.output_dir, state, checkpoints.limit)
                     raise TrainingStopped(
-                        f"non-finite loss ({global_loss.item()}) in {settings.name} at optimizer step "
+                        f"non-finite loss ({global_loss}) in {settings.name} at optimizer step "
                         f"{state.optimizer_steps + 1} (epoch {epoch}); the checkpoint from before it is {path}; "
                         "lower the learning rate or use --mixed_precision bf16/no, then --resume_from_checkpoint",
                         exit_code=3,
@@ -288,7 +289,7 @@ def train_phase(
             state.train_samples += sampler.batch_size
             if not accelerator.sync_gradients:
                 continue
-            mean_loss = torch.stack(window_losses).mean().item()
+            mean_loss = sum(window_losses) / len(window_losses)
             window_losses.clear()
             window_start = state.batches_done
             state.optimizer_steps += 1
