@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import platform
@@ -349,12 +350,16 @@ def run_floor(args: argparse.Namespace, results: Results) -> None:
         if args.quick:
             kwargs.update(batch_size=max(2, kwargs["batch_size"] // 256), warmup=1, steps=2)
         try:
-            results.add(f"floor/{name}", floor_variant(student_path, tokens, dim, flops_cache=flops, **kwargs))
+            result = floor_variant(student_path, tokens, dim, flops_cache=flops, **kwargs)
         except torch.cuda.OutOfMemoryError as e:
-            torch.cuda.empty_cache()
-            results.add(f"floor/{name}", {"error": "CUDA out of memory", "detail": str(e).splitlines()[0]})
+            result = {"error": "CUDA out of memory", "detail": str(e).splitlines()[0]}
         except Exception as e:  # noqa: BLE001 - one broken variant must not lose the others' figures
-            results.add(f"floor/{name}", {"error": f"{type(e).__name__}: {e}"[:500]})
+            result = {"error": f"{type(e).__name__}: {e}"[:500]}
+        # out of the except clause, the failed variant's frames (model, optimizer, activations) are gone
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        results.add(f"floor/{name}", result)
 
 
 # ----------------------------------------------------------------------------------------------- e2e
