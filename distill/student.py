@@ -87,26 +87,25 @@ def enable_gradient_checkpointing(student: nn.Module) -> list[nn.Module]:
     repeated layers (a ModuleList of one class) wrapped in `torch.utils.checkpoint`.
     """
     backbones: list[nn.Module] = []
-    for module in student.modules():
-        if getattr(module, "supports_gradient_checkpointing", False) and not any(
-            module in set(b.modules()) for b in backbones
-        ):
-            backbones.append(module)  # the outermost supporting module: it enables its own submodules
-    for backbone in backbones:
-        enable = getattr(backbone, "activation_checkpointing_enable", None)  # its name from transformers 5.x
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    blocks: list[nn.Module] = []
+    covered: set[nn.Module] = set()  # inside a backbone or block already checkpointed: left alone
+    for module in student.modules():  # outermost first
+        if module in covered:
+            continue
+        if getattr(module, "supports_gradient_checkpointing", False):
+            enable = getattr(module, "activation_checkpointing_enable", None)  # its name from transformers 5.x
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            backbones.append(module)
+        elif isinstance(module, nn.ModuleList) and _repeated(module):
+            for block in module:
+                _checkpoint_forward(block)
+            blocks.extend(module)
         else:
-            backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    covered = {m for b in backbones for m in b.modules()}
-    blocks = [
-        block
-        for module in student.modules()
-        if isinstance(module, nn.ModuleList) and module not in covered and _repeated(module)
-        for block in module
-    ]
-    for block in blocks:
-        _checkpoint_forward(block)
+            continue
+        covered.update(module.modules())
     if not backbones and not blocks:
         found = ", ".join(type(m).__name__ for m in student.children()) or type(student).__name__
         raise DistillError(
