@@ -40,7 +40,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+from run import toolkit_command, workload_texts  # noqa: E402 - the CPU benchmark's pieces
+from variants import synchronize, train_steps  # noqa: E402
 
 MAX_LENGTH = 128
 SEED = 42
@@ -89,11 +92,6 @@ def machine() -> dict:
     return info
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 # ----------------------------------------------------------------------------------------------- models
 
 
@@ -126,11 +124,11 @@ def matmul_rate(size: int = 8192, repeats: int = 20) -> dict:
     b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
-    sync()
+    synchronize("cuda")
     started = time.perf_counter()
     for _ in range(repeats):
         a @ b
-    sync()
+    synchronize("cuda")
     seconds = (time.perf_counter() - started) / repeats
     return {"size": size, "tflops": round(2 * size**3 / seconds / 1e12, 1)}
 
@@ -198,45 +196,6 @@ def count_flops(student, collated: list, chunk: int = 64) -> float:  # noqa: ANN
     return total
 
 
-def train_steps(student, collated: list, precision: str, optimizer, split: bool = False) -> dict:  # noqa: ANN001
-    """One step per batch: forward, the toolkit's alignment loss to the targets, backward, optimizer step."""
-    from distill.losses import LossWeights, alignment_loss
-    from distill.student import matryoshka_dims
-
-    weights = LossWeights()
-    dims = matryoshka_dims(collated[0][1].shape[1], None)  # the toolkit's MRL loss: full, 1/2, 1/4 width
-    autocast = torch.autocast(device().type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
-    parts = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
-    sync()
-    started = time.perf_counter()
-    for features, target in collated:
-        t0 = time.perf_counter()
-        with autocast:
-            embedding = student(dict(features))["sentence_embedding"]
-            loss = alignment_loss(embedding.float(), target, weights, dims)
-        if split:
-            sync()
-            t1 = time.perf_counter()
-        loss.backward()
-        if split:
-            sync()
-            t2 = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if split:
-            sync()
-            t3 = time.perf_counter()
-            parts["forward"] += t1 - t0
-            parts["backward"] += t2 - t1
-            parts["optimizer"] += t3 - t2
-    sync()
-    seconds = time.perf_counter() - started
-    result = {"seconds": seconds, "final_loss": float(loss.detach())}
-    if split:
-        result["split_ms_per_step"] = {k: round(1000 * v / len(collated), 2) for k, v in parts.items()}
-    return result
-
-
 def floor_variant(
     student_path: Path,
     tokens,  # noqa: ANN001
@@ -253,6 +212,8 @@ def floor_variant(
 ) -> dict:
     from accelerate.utils import compile_regions
 
+    from distill.student import matryoshka_dims
+
     batches = grouped_batches(tokens, batch_size)
     warm, timed = batches[:warmup], batches[warmup:][:steps] if steps else batches[warmup:]
     if not timed:
@@ -264,6 +225,7 @@ def floor_variant(
         # on a plain copy: with checkpointing on, the recomputed forward passes would be counted as work
         flops_cache[key] = count_flops(make_student(student_path), collate(tokens, timed, dim))
     model = compile_regions(student, dynamic=True) if compile else student  # what --torch_compile does
+    dims = matryoshka_dims(dim, None)  # the toolkit's Matryoshka loss: full, 1/2 and 1/4 width
     trainable = [p for p in student.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=LR, fused=fused if on_gpu else None, foreach=None if fused else True)
     student.train()
@@ -273,10 +235,10 @@ def floor_variant(
     torch.manual_seed(SEED)  # the same dropout masks in every variant, whatever ran before (FLOP counting)
     started = time.perf_counter()
     if warm:
-        train_steps(model, collate(tokens, warm, dim), precision, optimizer)
+        train_steps(model, collate(tokens, warm, dim), optimizer, dims, precision)
     warmup_seconds = time.perf_counter() - started
     collated = collate(tokens, timed, dim)
-    timing = train_steps(model, collated, precision, optimizer, split=split)
+    timing = train_steps(model, collated, optimizer, dims, precision, split=split)
     samples = batch_size * len(timed)
     real = sum(int(tokens.lengths[b].sum()) for b in timed)
     padded = sum(int(f["input_ids"].numel()) for f, _ in collated)
@@ -372,42 +334,44 @@ def run_command(command: list[str], log_path: Path, env: dict | None = None) -> 
     return time.perf_counter() - started, code
 
 
-def toolkit(args: argparse.Namespace, teacher: Path, student: Path, name: str, cache: Path, extra: dict) -> dict:
+def e2e_spec(args: argparse.Namespace, teacher: Path, student: Path) -> dict:
+    """bench/run.py's workload spec (what its toolkit command and variants.py's peer read), for this GPU run."""
+    return {
+        "teacher": str(teacher),
+        "student": str(student),
+        "layers": None,
+        "max_length": MAX_LENGTH,
+        "batch_size": args.batch_size,
+        "lr": LR,
+        "warmup_ratio": 0.1,
+        "weight_decay": 0.01,
+        "max_grad_norm": 1.0,
+        "seed": SEED,
+        "samples": args.samples or 8000,
+        "texts_file": str(args.texts),
+    }
+
+
+def toolkit(args: argparse.Namespace, spec: dict, name: str, cache: Path, extra: dict) -> dict:
+    """bench/run.py's toolkit run, in bf16 (unless `extra` says otherwise), through torchrun unless `ddp` is False."""
     output = args.workdir / "runs" / name
     shutil.rmtree(output, ignore_errors=True)
-    flags = {
-        "teacher_model": teacher,
-        "student_model": student,
-        "use_projection": False,
-        "max_seq_length": MAX_LENGTH,
-        "phase1_data": args.texts,
-        "max_samples_phase1": args.samples or 8000,
-        "phase1_epochs": 1,
-        "phase1_lr": LR,
-        "batch_size": args.batch_size,
-        "seed": SEED,
-        "skip_phase2": True,
-        "eval_data": "none",
-        "output_dir": output,
-        "teacher_cache_dir": cache,
-        "save_to_artifacts": False,
-        "log_with": "none",
-        "mixed_precision": "bf16",
-        **extra,
-    }
-    ddp = flags.pop("ddp", True)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--standalone"]
-    module = ["-m", "distill.train"] if ddp else [sys.executable, "-m", "distill.train"]
-    command = (launcher + module if ddp else module) + [x for k, v in flags.items() for x in (f"--{k}", str(v))]
+    extra = dict(extra)
+    ddp = extra.pop("ddp", True)
+    command = toolkit_command(spec, output, cache, export=False)  # [python, -m, distill.train, flags...]
+    command += [x for k, v in {"mixed_precision": "bf16", **extra}.items() for x in (f"--{k}", str(v))]
+    if ddp:  # Accelerate's DDP on one GPU over NCCL
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--standalone", *command[1:]]
     env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     wall, code = run_command(command, args.out / f"log-{name}.txt", env)
+    flags = {k: str(v) for k, v in extra.items()}
     if code != 0:
         tail = (args.out / f"log-{name}.txt").read_text(errors="replace").splitlines()[-8:]
-        return {"error": f"exit {code}", "log_tail": tail, "flags": {k: str(v) for k, v in extra.items()}}
+        return {"error": f"exit {code}", "log_tail": tail, "flags": flags}
     results = json.loads((output / "results.json").read_text())
     phase = results["phases"]["phase1"]
     return {
-        "flags": {k: str(v) for k, v in extra.items()},
+        "flags": flags,
         "ddp": ddp,
         "world_size": results["world_size"],
         "wall_seconds": round(wall, 1),
@@ -420,27 +384,11 @@ def toolkit(args: argparse.Namespace, teacher: Path, student: Path, name: str, c
     }
 
 
-def peer(args: argparse.Namespace, teacher: Path, student: Path, name: str) -> dict:
+def peer(args: argparse.Namespace, spec: dict, name: str) -> dict:
     """bench/variants.py's peer (sentence-transformers' recipe) on the GPU in bf16, in its own process."""
     folder = args.workdir / "runs" / name
     folder.mkdir(parents=True, exist_ok=True)
-    spec = {
-        "texts_file": str(args.texts),
-        "samples": args.samples or 8000,
-        "teacher": str(teacher),
-        "student": str(student),
-        "layers": None,
-        "max_length": MAX_LENGTH,
-        "batch_size": args.batch_size,
-        "lr": LR,
-        "warmup_ratio": 0.1,
-        "weight_decay": 0.01,
-        "max_grad_norm": 1.0,
-        "seed": SEED,
-        "out_dir": str(folder),
-        "device": str(device()),
-        "bf16": True,
-    }
+    spec = {**spec, "out_dir": str(folder), "device": str(device()), "bf16": True}
     (folder / "spec.json").write_text(json.dumps(spec))
     command = [sys.executable, str(ROOT / "bench" / "variants.py"), "peer", str(folder / "spec.json")]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -460,8 +408,9 @@ def run_e2e(args: argparse.Namespace, results: Results) -> None:
     from distill.student import embedding_dim
 
     teacher, student = models(args)
+    spec = e2e_spec(args, teacher, student)
     cache = args.workdir / "cache"
-    samples = args.samples or 8000
+    samples = spec["samples"]
     probe = make_student(student)
     tokens = TokenizedTexts(probe.tokenizer, load_texts(args.texts, samples), MAX_LENGTH)
     dim = embedding_dim(probe)
@@ -469,9 +418,9 @@ def run_e2e(args: argparse.Namespace, results: Results) -> None:
     results.data["workload"] = {"texts": samples, "batch_size": args.batch_size, "max_length": MAX_LENGTH}
     for repeat in range(args.repeats):
         shutil.rmtree(cache, ignore_errors=True)
-        results.add(f"e2e/{repeat}/toolkit-cold", toolkit(args, teacher, student, "cold", cache, {}))
-        results.add(f"e2e/{repeat}/toolkit-warm", toolkit(args, teacher, student, "warm", cache, {}))
-        results.add(f"e2e/{repeat}/peer", peer(args, teacher, student, "peer"))
+        results.add(f"e2e/{repeat}/toolkit-cold", toolkit(args, spec, "cold", cache, {}))
+        results.add(f"e2e/{repeat}/toolkit-warm", toolkit(args, spec, "warm", cache, {}))
+        results.add(f"e2e/{repeat}/peer", peer(args, spec, "peer"))
         floor = floor_variant(student, tokens, dim, args.batch_size, warmup=0)  # the toolkit's whole epoch
         results.add(f"e2e/{repeat}/floor", floor)
     options = {
@@ -481,7 +430,7 @@ def run_e2e(args: argparse.Namespace, results: Results) -> None:
         "toolkit-warm-no-ddp": {"ddp": False},
     }
     for name, extra in options.items():
-        results.add(f"e2e/options/{name}", toolkit(args, teacher, student, name, cache, extra))
+        results.add(f"e2e/options/{name}", toolkit(args, spec, name, cache, extra))
     summarize_e2e(results)
 
 
@@ -509,9 +458,6 @@ def summarize_e2e(results: Results) -> None:
 
 def workload_file(args: argparse.Namespace) -> Path:
     """The CPU benchmark's texts (embedded Wikipedia, then Lee; needs the demo extra's gensim) as a file."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from run import workload_texts
-
     count = args.samples or (40000 if args.part == "floor" else 8000)
     path = args.workdir / f"texts-{count}.txt"
     path.write_text("\n".join(workload_texts(count)[0]) + "\n")

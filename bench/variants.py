@@ -16,6 +16,8 @@ Every variant writes its figures as JSON; the parent reads its peak RSS from the
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 import sys
@@ -131,6 +133,56 @@ def peer(spec: dict) -> dict:
     return result
 
 
+def train_steps(  # noqa: ANN201
+    student,  # noqa: ANN001
+    collated: list[tuple[dict, torch.Tensor]],
+    optimizer: torch.optim.Optimizer,
+    dims: list[int] | None,
+    precision: str = "fp32",
+    split: bool = False,
+) -> dict:
+    """The floor's loop: per batch, forward, the toolkit's alignment loss to the targets, backward, optimizer step.
+
+    Returns the seconds taken (the GPU's queued work included) and the last loss; with `split`, the device is
+    synchronised between forward, backward and optimizer step, and their mean milliseconds are returned too.
+    """
+    from distill.losses import LossWeights, alignment_loss
+
+    weights = LossWeights()
+    device = collated[0][1].device.type
+    autocast = torch.autocast(device, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+    parts = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+    sync = functools.partial(synchronize, device)
+    sync()
+    started = time.perf_counter()
+    for features, target in collated:
+        t0 = time.perf_counter()
+        with autocast:
+            embedding = student(dict(features))["sentence_embedding"]
+            loss = alignment_loss(embedding.float(), target, weights, dims)
+        if split:
+            sync()
+            t1 = time.perf_counter()
+        loss.backward()
+        if split:
+            sync()
+            t2 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if split:
+            sync()
+            t3 = time.perf_counter()
+            parts["forward"] += t1 - t0
+            parts["backward"] += t2 - t1
+            parts["optimizer"] += t3 - t2
+    sync()
+    seconds = time.perf_counter() - started
+    result = {"seconds": seconds, "final_loss": float(loss.detach())}
+    if split:
+        result["split_ms_per_step"] = {k: round(1000 * v / len(collated), 2) for k, v in parts.items()}
+    return result
+
+
 def synchronize(device: str) -> None:
     """Wait for the GPU's queued work, so that a host clock read next times it."""
     if device.startswith("cuda"):
@@ -154,7 +206,6 @@ def cached_teacher_vectors(spec: dict, texts: list[str]) -> np.ndarray:
 def floor(spec: dict, grouped: bool) -> dict:
     """Forward, loss, backward, AdamW step over pre-collated batches; nothing else is timed."""
     from distill.batching import LengthGroupedBatchSampler, TokenizedTexts
-    from distill.losses import LossWeights, alignment_loss
     from distill.student import embedding_dim, load_student, matryoshka_dims
 
     texts = load_texts(spec)
@@ -175,23 +226,15 @@ def floor(spec: dict, grouped: bool) -> dict:
     real = sum(int(tokens.lengths[b].sum()) for b in batches)
     padded = sum(int(f["input_ids"].numel()) for f, _ in collated)
     dims = matryoshka_dims(embedding_dim(student), None)  # the toolkit's Matryoshka loss: 384, 192, 96
-    weights = LossWeights()
     optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=spec["lr"])
     student.train()
-    started = time.perf_counter()
-    for features, target in collated:
-        embedding = student(dict(features))["sentence_embedding"]  # (batch, 384)
-        loss = alignment_loss(embedding, target, weights, dims)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    train_seconds = time.perf_counter() - started
+    timing = train_steps(student, collated, optimizer, dims)
     return {
         "teacher_seconds": 0.0,
-        "train_seconds": train_seconds,
+        "train_seconds": timing["seconds"],
         "train_samples": len(batches) * size,
         "padding_fraction": 1 - real / padded,
-        "final_loss": float(loss.detach()),
+        "final_loss": timing["final_loss"],
     }
 
 
