@@ -39,7 +39,7 @@ from distill.errors import DistillError
 from distill.evaluation import EvalInputs, EvalVectors, encode_student, evaluate_student, evaluate_teacher
 from distill.export import export_models, model_card
 from distill.hub import declared_dimension, resolve_model
-from distill.launch import join_group_of_this_attempt, maybe_relaunch
+from distill.launch import current_world_size, join_group_of_this_attempt, maybe_relaunch
 from distill.losses import LossWeights
 from distill.report import results_table, write_report, write_results
 from distill.student import (
@@ -97,7 +97,7 @@ def make_accelerator(config: Config) -> Accelerator:
     t = config.training
     if t.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise DistillError("mixed_precision fp16 needs a CUDA GPU; use bf16 or no on a CPU")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+    if current_world_size() > 1 and not torch.cuda.is_available():
         # Launched as several processes on a machine without CUDA: without this, accelerate (1.x) makes each
         # process train alone; with it they form one gloo group (DistributedType.MULTI_CPU).
         os.environ["ACCELERATE_USE_CPU"] = "true"
