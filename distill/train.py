@@ -505,6 +505,7 @@ def run(config: Config) -> dict:
     if accelerator.is_main_process:
         write_report(output_dir, results)  # leaf writer: report.png and report.md
     accelerator.print(f"\n{table}\n\nresults: {path}")
+    accelerator.wait_for_everyone()  # the group is torn down by all ranks together, not while rank 0 still writes
     accelerator.end_training()
     return results
 
