@@ -97,6 +97,10 @@ class DataConfig:
     )
     max_samples_phase1: int = _opt(default=100000, help="Cap on phase-1 texts.")
     max_samples_phase2: int = _opt(default=500000, help="Cap on phase-2 pairs.")
+    embedded_pairs_per_paragraph: int = _opt(
+        default=1,
+        help="Embedded phase-2 data: inverse-cloze pairs per paragraph, each with another sentence as the query.",
+    )
     max_eval_queries: int = _opt(default=1000, help="Held-out queries used for retrieval evaluation.")
     mine_hard_negatives: int = _opt(
         default=0, help="Phase 2: per query, add N negatives the teacher ranks highest (when the data has none)."
@@ -389,6 +393,14 @@ def validate(config: Config) -> list[str]:
     if config.data.mine_hard_negatives < 0:
         problems.append(
             f"mine_hard_negatives: expected 0 (off) or a positive integer, got {config.data.mine_hard_negatives}"
+        )
+    pairs_per_paragraph = config.data.embedded_pairs_per_paragraph
+    if pairs_per_paragraph < 1:
+        problems.append(f"embedded_pairs_per_paragraph: expected a positive integer, got {pairs_per_paragraph}")
+    elif pairs_per_paragraph > 1 and config.data.phase2_data != "embedded":
+        problems.append(
+            "embedded_pairs_per_paragraph: only the embedded phase-2 data is built from paragraphs; "
+            "drop the flag or pass --phase2_data embedded"
         )
     if config.training.projection_warmup_steps < 0:
         steps = config.training.projection_warmup_steps

@@ -67,7 +67,7 @@ def load_data(config: DataConfig, seed: int, need_phase1: bool = True, need_phas
     if config.eval_data == "auto" and config.phase2_data != EMBEDDED:
         holdout = config.max_eval_queries
     phase2 = (
-        load_pairs(config.phase2_data, config.max_samples_phase2 + holdout, seed)
+        load_pairs(config.phase2_data, config.max_samples_phase2 + holdout, seed, config.embedded_pairs_per_paragraph)
         if need_phase2 or holdout
         else Pairs([], [])
     )
@@ -102,9 +102,9 @@ def load_phase1_texts(source: str, max_samples: int) -> list[str]:
     return texts[:max_samples]
 
 
-def load_pairs(source: str, max_samples: int, seed: int) -> Pairs:
+def load_pairs(source: str, max_samples: int, seed: int, embedded_per_paragraph: int = 1) -> Pairs:
     if source == EMBEDDED:
-        queries, passages = embedded.inverse_cloze_pairs(embedded.train_articles(), seed)
+        queries, passages = embedded.inverse_cloze_pairs(embedded.train_articles(), seed, embedded_per_paragraph)
         return _clean_pairs(Pairs(queries, passages), source)
     records = read_records(source, max_samples)
     query_col = pick_column(records, QUERY_COLUMNS, source, "phase-2 query")

@@ -77,18 +77,30 @@ def is_eval_article(title: str) -> bool:
     return bucket < EVAL_FRACTION
 
 
-def inverse_cloze_pairs(articles: list[Article], seed: int) -> tuple[list[str], list[str]]:
-    """One (query, passage) pair per paragraph of 3+ sentences: a sentence, and its paragraph without it."""
-    rng = random.Random(seed)
-    queries, passages = [], []
+def inverse_cloze_pairs(articles: list[Article], seed: int, per_paragraph: int = 1) -> tuple[list[str], list[str]]:
+    """(query, passage) pairs from each paragraph of 3+ sentences: a sentence, and its paragraph without it.
+
+    The first pair of every paragraph comes first (the same pairs whatever `per_paragraph` is); with
+    `per_paragraph` > 1, each further round takes another sentence of every paragraph that has one left
+    (distinct queries, each with its own passage), shuffled, after the rounds before it. So a cap on the
+    number of pairs keeps whole rounds first, and every paragraph is seen before any is seen twice.
+    """
+    rng, later_rng = random.Random(seed), random.Random(seed + 1)
+    rounds: list[list[tuple[str, str]]] = [[] for _ in range(per_paragraph)]
     for article in articles:
         for sentences in article.paragraphs:
             if len(sentences) < 3:
                 continue
-            pick = rng.randrange(len(sentences))
-            queries.append(sentences[pick])
-            passages.append(" ".join(s for i, s in enumerate(sentences) if i != pick))
-    return queries, passages
+            first = rng.randrange(len(sentences))
+            others = [i for i in range(len(sentences)) if i != first]
+            if per_paragraph > 1:
+                later_rng.shuffle(others)
+            for pairs, pick in zip(rounds, [first, *others]):
+                pairs.append((sentences[pick], " ".join(s for i, s in enumerate(sentences) if i != pick)))
+    for pairs in rounds[1:]:
+        later_rng.shuffle(pairs)
+    ordered = [pair for pairs in rounds for pair in pairs]
+    return [query for query, _ in ordered], [passage for _, passage in ordered]
 
 
 def train_articles() -> list[Article]:

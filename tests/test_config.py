@@ -116,6 +116,11 @@ def test_unknown_yaml_key_via_build_config() -> None:
         ),
         (["--ddp_comm_hook", "powersgd"], r"ddp_comm_hook: expected one of none/fp16/bf16, got 'powersgd'"),
         (["--gradient_checkpointing", "sometimes"], r"gradient_checkpointing: expected True or False"),
+        (["--embedded_pairs_per_paragraph", "0"], r"embedded_pairs_per_paragraph: expected a positive integer"),
+        (
+            ["--phase2_data", "pairs.jsonl", "--embedded_pairs_per_paragraph", "2"],
+            r"embedded_pairs_per_paragraph: only the embedded phase-2 data .*; drop the flag or pass --phase2_data",
+        ),
     ],
 )
 def test_invalid_values_are_rejected(argv: list[str], message: str) -> None:

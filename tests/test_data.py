@@ -334,6 +334,30 @@ def test_inverse_cloze_query_not_in_its_passage() -> None:
     assert embedded.inverse_cloze_pairs(embedded.train_articles(), seed=1)[0] != queries
 
 
+def test_inverse_cloze_pairs_per_paragraph() -> None:
+    articles = embedded.train_articles()
+    paragraphs = [tuple(s) for a in articles for s in a.paragraphs if len(s) >= 3]
+    owner = {  # every possible (query, passage) pair -> the paragraph it comes from
+        (sentences[i], " ".join(s for j, s in enumerate(sentences) if j != i)): number
+        for number, sentences in enumerate(paragraphs)
+        for i in range(len(sentences))
+    }
+    one = embedded.inverse_cloze_pairs(articles, seed=3)
+    for per_paragraph in (2, 4):
+        queries, passages = embedded.inverse_cloze_pairs(articles, seed=3, per_paragraph=per_paragraph)
+        assert len(queries) == sum(min(per_paragraph, len(s)) for s in paragraphs)
+        # the first round is the one-per-paragraph data, in its order; the rounds after it add to it
+        assert (queries[: len(one[0])], passages[: len(one[1])]) == one
+        seen: dict[int, list[str]] = {}
+        for query, passage in zip(queries, passages, strict=True):
+            seen.setdefault(owner[(query, passage)], []).append(query)  # a KeyError: not a real pair
+        assert all(len(set(q)) == len(q) == min(per_paragraph, len(paragraphs[n])) for n, q in seen.items())
+        assert len(seen) == len(paragraphs)
+        # every paragraph appears once before any appears twice
+        firsts = {owner[pair] for pair in zip(queries[: len(paragraphs)], passages[: len(paragraphs)])}
+        assert len(firsts) == len(paragraphs)
+
+
 def test_lee_sts_shape() -> None:
     documents, pairs, scores = embedded.lee_sts()
     assert len(documents) == 50
@@ -348,6 +372,7 @@ def test_embedded_phase_loaders() -> None:
     assert len(texts) == 500 and len(set(texts)) == 500
     pairs = load_pairs("embedded", 10, seed=0)
     assert len(pairs) > 100 and pairs.negatives == []
+    assert len(load_pairs("embedded", 10, seed=0, embedded_per_paragraph=2)) == 2 * len(pairs)
 
 
 def test_embedded_eval_set_points_at_the_right_passages() -> None:
