@@ -346,6 +346,7 @@ def e2e_spec(args: argparse.Namespace, teacher: Path, student: Path) -> dict:
         "warmup_ratio": 0.1,
         "weight_decay": 0.01,
         "max_grad_norm": 1.0,
+        "pad_to_multiple_of": 1,
         "seed": SEED,
         "samples": args.samples or 8000,
         "texts_file": str(args.texts),

@@ -141,6 +141,7 @@ def toolkit_command(spec: dict, output_dir: Path, cache_dir: Path, export: bool)
         "warmup_ratio": spec["warmup_ratio"],
         "weight_decay": spec["weight_decay"],
         "max_grad_norm": spec["max_grad_norm"],
+        "pad_to_multiple_of": spec["pad_to_multiple_of"],
         "skip_phase2": True,
         "eval_data": "none",
         "output_dir": output_dir,
@@ -180,6 +181,7 @@ def base_spec(args: argparse.Namespace, workdir: Path, samples: int) -> dict:
         "warmup_ratio": 0.1,
         "weight_decay": 0.01,
         "max_grad_norm": 1.0,
+        "pad_to_multiple_of": args.pad_to_multiple_of,
         "seed": args.seed,
         "samples": samples,
         "texts_file": str(texts_file),
@@ -518,6 +520,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-4, help="peak learning rate, the demo's phase 1")
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument(
+        "--pad_to_multiple_of",
+        type=int,
+        default=1,
+        help="batch width rounding, toolkit and floor (the toolkit's default: 1)",
+    )
     parser.add_argument(
         "--scaling_sizes", help="comma-separated sample counts for --scaling (default 1000,4000,16000,64000)"
     )

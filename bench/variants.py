@@ -212,7 +212,9 @@ def floor(spec: dict, grouped: bool) -> dict:
     targets = cached_teacher_vectors(spec, texts)
     torch.manual_seed(spec["seed"])
     student = load_student(spec["student"], num_layers=spec["layers"], max_seq_length=spec["max_length"])
-    tokens = TokenizedTexts(student.tokenizer, texts, student.max_seq_length)
+    tokens = TokenizedTexts(
+        student.tokenizer, texts, student.max_seq_length, pad_to_multiple_of=spec["pad_to_multiple_of"]
+    )
     size = spec["batch_size"]
     if grouped:  # the toolkit's batches: same sampler, same seed, same global batch size, epoch 0
         batches = list(LengthGroupedBatchSampler(tokens.lengths, size, spec["seed"]))

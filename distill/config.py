@@ -127,6 +127,11 @@ class TrainingConfig:
     warmup_ratio: float = _opt(default=0.1, help="Fraction of each phase's steps spent warming up the lr.")
     weight_decay: float = _opt(default=0.01, help="AdamW weight decay.")
     max_grad_norm: float = _opt(default=1.0, help="Gradient clipping norm (0 disables).")
+    pad_to_multiple_of: int = _opt(
+        default=1,
+        help="Pad each training batch to a multiple of N tokens (at most max_seq_length); 8 suits tensor cores and "
+        "lowers peak RSS on CPU at some speed cost (docs/BENCHMARKS.md); 1: to the batch's longest text.",
+    )
     temperature: float = _opt(default=0.05, help="Phase-2 softmax temperature of the similarity distillation.")
     cosine_weight: float = _opt(default=1.0, help="Weight of the (1 - cosine) alignment loss.")
     mse_weight: float = _opt(default=1.0, help="Weight of the squared-distance alignment loss.")
@@ -394,6 +399,8 @@ def validate(config: Config) -> list[str]:
         problems.append(
             f"mine_hard_negatives: expected 0 (off) or a positive integer, got {config.data.mine_hard_negatives}"
         )
+    if config.training.pad_to_multiple_of < 1:
+        problems.append(f"pad_to_multiple_of: expected a positive integer, got {config.training.pad_to_multiple_of}")
     pairs_per_paragraph = config.data.embedded_pairs_per_paragraph
     if pairs_per_paragraph < 1:
         problems.append(f"embedded_pairs_per_paragraph: expected a positive integer, got {pairs_per_paragraph}")

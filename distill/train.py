@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -312,14 +313,16 @@ def phase_loader(config: Config, student, data: DistillData, teacher: TeacherVec
     """Tokenize the phase's texts once and build its length-grouped loader of global batches."""
     tokenizer, max_length = student.tokenizer, student.max_seq_length
     global_batch = config.training.batch_size * world
+    tokenize = partial(
+        TokenizedTexts, tokenizer, max_length=max_length, pad_to_multiple_of=config.training.pad_to_multiple_of
+    )
     if phase == "phase1":
-        texts = TokenizedTexts(tokenizer, data.phase1_texts, max_length)
+        texts = tokenize(data.phase1_texts)
         collate, lengths = Phase1Batches(texts, teacher.phase1), texts.lengths
         truncated = texts.truncated
     else:
         passages, rows = passage_texts(data.phase2)[0], teacher.passage_rows
-        queries = TokenizedTexts(tokenizer, data.phase2.queries, max_length)
-        passage_tokens = TokenizedTexts(tokenizer, passages, max_length)
+        queries, passage_tokens = tokenize(data.phase2.queries), tokenize(passages)
         collate = Phase2Batches(queries, passage_tokens, rows, teacher.queries, teacher.passages)
         lengths = queries.lengths + passage_tokens.lengths[rows].sum(axis=1)
         truncated = queries.truncated + passage_tokens.truncated

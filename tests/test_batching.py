@@ -101,6 +101,37 @@ def test_left_padding_follows_the_tokenizer(student: SentenceTransformer) -> Non
     assert torch.equal(features["attention_mask"], expected["attention_mask"])
 
 
+def test_width_rounded_to_a_multiple_like_the_tokenizers_own_option(student: SentenceTransformer) -> None:
+    texts = texts_with_long_ones()
+    rounded = TokenizedTexts(student.tokenizer, texts, 64, pad_to_multiple_of=8)
+    for subset in ([0, 1, 2], [22, 23], [20, 3], list(range(len(texts)))):
+        batch = [texts[i] for i in subset]
+        expected = student.tokenizer(
+            batch, padding=True, pad_to_multiple_of=8, truncation=True, max_length=64, return_tensors="pt"
+        )
+        features = rounded.features(subset)
+        assert features["input_ids"].shape[1] % 8 == 0
+        assert torch.equal(features["input_ids"], expected["input_ids"])
+        assert torch.equal(features["attention_mask"], expected["attention_mask"])
+    # the padding is masked out: the student's vectors are those of the unrounded batch
+    plain = TokenizedTexts(student.tokenizer, texts, 64)
+    subset = [next(i for i in range(20) if plain.lengths[i] % 8), 21, 23]  # a width that rounding changes
+    with torch.no_grad():
+        wide = student(rounded.features(subset))["sentence_embedding"]
+        tight = student(plain.features(subset))["sentence_embedding"]
+    assert rounded.features(subset)["input_ids"].shape[1] > plain.features(subset)["input_ids"].shape[1]
+    torch.testing.assert_close(wide, tight, atol=1e-5, rtol=1e-5)
+
+
+def test_rounded_width_never_passes_max_length_unless_a_text_does(student: SentenceTransformer) -> None:
+    texts = texts_with_long_ones()
+    tokenized = TokenizedTexts(student.tokenizer, texts, 12, pad_to_multiple_of=8)
+    assert tokenized.lengths.max() == 12
+    assert tokenized.features(list(range(len(texts))))["input_ids"].shape[1] == 12  # not 16
+    short = [i for i in range(len(texts)) if tokenized.lengths[i] <= 5]
+    assert short and tokenized.features(short)["input_ids"].shape[1] == 8
+
+
 # ---------------------------------------------------------------- sampler
 
 

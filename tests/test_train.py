@@ -436,6 +436,27 @@ def test_gradient_checkpointing_changes_no_loss_and_stays_out_of_the_export(
     assert not any(getattr(m, "gradient_checkpointing", False) for m in backbone.modules())
 
 
+def test_rounded_batch_widths_change_no_loss(tiny_models, tiny_data, eager_run, tmp_path, monkeypatch):
+    from distill.batching import TokenizedTexts
+
+    widths = []
+    features = TokenizedTexts.features
+
+    def recorded(self, indices):  # noqa: ANN001, ANN202
+        out = features(self, indices)
+        widths.append((self.pad_to_multiple_of, out["input_ids"].shape[1], int(self.lengths[indices].max())))
+        return out
+
+    monkeypatch.setattr(TokenizedTexts, "features", recorded)
+    out = tmp_path / "rounded"
+    assert main(option_run_flags(tiny_models, tiny_data, out, eager_run.parent / "cache", pad_to_multiple_of=8)) == 0
+    training = [(width, longest) for multiple, width, longest in widths if multiple == 8]
+    assert training and all(width % 8 == 0 or width == longest for width, longest in training)
+    assert any(width > longest for width, longest in training)  # the option did pad some batches further
+    assert all(multiple in (1, 8) for multiple, _, _ in widths)  # evaluation batches stay unrounded
+    assert_same_losses(out, eager_run, atol=1e-5)
+
+
 GRADIENT_COMPRESSION_RUN = """
 import os
 import sys
