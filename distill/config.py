@@ -383,6 +383,8 @@ def validate(config: Config) -> list[str]:
         "max_samples_phase2": config.data.max_samples_phase2,
         "temperature": config.training.temperature,
         "max_eval_queries": config.data.max_eval_queries,
+        "embedded_pairs_per_paragraph": config.data.embedded_pairs_per_paragraph,
+        "pad_to_multiple_of": config.training.pad_to_multiple_of,
     }
     for name, value in positive.items():
         if not value > 0:
@@ -399,12 +401,7 @@ def validate(config: Config) -> list[str]:
         problems.append(
             f"mine_hard_negatives: expected 0 (off) or a positive integer, got {config.data.mine_hard_negatives}"
         )
-    if config.training.pad_to_multiple_of < 1:
-        problems.append(f"pad_to_multiple_of: expected a positive integer, got {config.training.pad_to_multiple_of}")
-    pairs_per_paragraph = config.data.embedded_pairs_per_paragraph
-    if pairs_per_paragraph < 1:
-        problems.append(f"embedded_pairs_per_paragraph: expected a positive integer, got {pairs_per_paragraph}")
-    elif pairs_per_paragraph > 1 and config.data.phase2_data != "embedded":
+    if config.data.embedded_pairs_per_paragraph > 1 and config.data.phase2_data != "embedded":
         problems.append(
             "embedded_pairs_per_paragraph: only the embedded phase-2 data is built from paragraphs; "
             "drop the flag or pass --phase2_data embedded"

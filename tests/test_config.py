@@ -116,8 +116,11 @@ def test_unknown_yaml_key_via_build_config() -> None:
         ),
         (["--ddp_comm_hook", "powersgd"], r"ddp_comm_hook: expected one of none/fp16/bf16, got 'powersgd'"),
         (["--gradient_checkpointing", "sometimes"], r"gradient_checkpointing: expected True or False"),
-        (["--pad_to_multiple_of", "0"], r"pad_to_multiple_of: expected a positive integer, got 0"),
-        (["--embedded_pairs_per_paragraph", "0"], r"embedded_pairs_per_paragraph: expected a positive integer"),
+        (["--pad_to_multiple_of", "0"], r"pad_to_multiple_of: expected a number greater than 0, got 0"),
+        (
+            ["--embedded_pairs_per_paragraph", "0"],
+            r"embedded_pairs_per_paragraph: expected a number greater than 0, got 0",
+        ),
         (
             ["--phase2_data", "pairs.jsonl", "--embedded_pairs_per_paragraph", "2"],
             r"embedded_pairs_per_paragraph: only the embedded phase-2 data .*; drop the flag or pass --phase2_data",
