@@ -378,6 +378,7 @@ def toolkit(args: argparse.Namespace, spec: dict, name: str, cache: Path, extra:
         "wall_seconds": round(wall, 1),
         "teacher_seconds": phase["teacher_seconds"],
         "teacher_loaded": results["teacher_loaded"],
+        "teacher_load_seconds": results["teacher_load_seconds"],
         "train_seconds": phase["train_seconds"],
         "train_samples": phase["train_samples"],
         "samples_per_second": phase["samples_per_second"],

@@ -82,8 +82,9 @@ class TeacherVectors:
     passages: np.ndarray | None  # positives, then every query's negatives
     passage_rows: np.ndarray | None  # (queries, 1 + negatives): row of each query's positive, then its negatives
     evaluation: EvalVectors | None
-    seconds: dict[str, float]  # teacher time spent per phase (0 on a warm cache)
+    seconds: dict[str, float]  # teacher time spent per phase (0 on a warm cache), loading included
     loaded: bool  # whether any teacher model was loaded at all
+    load_seconds: float  # the part of `seconds` spent loading the teacher (0 when not loaded)
 
     @property
     def dim(self) -> int:
@@ -230,7 +231,7 @@ def embed_with_teacher(accelerator: Accelerator, config: Config, data: DistillDa
     loaded = cache.loaded
     cache.release()
     release_freed_memory()  # the teacher's freed weights and activations go back to the OS
-    return TeacherVectors(phase1, queries, passages, rows, evaluation, seconds, loaded)
+    return TeacherVectors(phase1, queries, passages, rows, evaluation, seconds, loaded, cache.load_seconds)
 
 
 def build_student(
@@ -497,6 +498,7 @@ def run(config: Config) -> dict:
             key = "after_phase1" if phase == "phase1" and len(phases) == 2 else "student_after"
             results[key] = evaluate_student(accelerator, model, evaluation, eval_batch, dims)
     results["teacher_loaded"] = teacher.loaded
+    results["teacher_load_seconds"] = round(teacher.load_seconds, 3)
     results["teacher_seconds_evaluation"] = round(teacher.seconds["evaluation"], 3)
     table = results_table(results) if evaluation is not None else "(no evaluation set)"
     if config.output.save_to_artifacts:

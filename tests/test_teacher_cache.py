@@ -276,3 +276,23 @@ def test_mining_skips_near_duplicates_of_the_positive_and_needs_enough_passages(
     assert mined[0, 0] != 1
     with pytest.raises(DistillError, match="mine_hard_negatives 4 needs more than 4 passages"):
         mine_hard_negatives(passages, passages, count=4)
+
+
+def test_teacher_seconds_count_the_loading_once(
+    accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loading is part of the teacher's time exactly once (it used to be added twice) and is reported on its own."""
+    import time
+
+    real_load = teacher_module.load_teacher
+
+    def slow_load(*args: object, **kwargs: object):  # noqa: ANN202
+        time.sleep(1.0)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(teacher_module, "load_teacher", slow_load)
+    cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache")
+    cache.embeddings(sentences(6, seed=2), "document")
+    assert cache.load_seconds >= 1.0
+    encoding = cache.seconds - cache.load_seconds
+    assert 0 < encoding < 1.0  # six short texts through the tiny teacher; a second load would add >= 1 s

@@ -78,7 +78,13 @@ def test_tiny_run_projection_mode_end_to_end(tiny_models, tiny_data, tmp_path):
 def test_second_run_reuses_the_teacher_cache_without_loading_the_teacher(tiny_models, tiny_data, tmp_path, monkeypatch):
     cache = tmp_path / "shared-cache"
     assert main(tiny_run_flags(tiny_models, tiny_data, tmp_path / "a", teacher_cache_dir=cache)) == 0
-    assert results_of(tmp_path / "a")["teacher_loaded"] is True
+    cold = results_of(tmp_path / "a")
+    assert cold["teacher_loaded"] is True
+    assert (
+        0
+        < cold["teacher_load_seconds"]
+        <= sum(p["teacher_seconds"] for p in cold["phases"].values()) + cold["teacher_seconds_evaluation"]
+    )
 
     reset_accelerate()
 
@@ -89,6 +95,7 @@ def test_second_run_reuses_the_teacher_cache_without_loading_the_teacher(tiny_mo
     assert main(tiny_run_flags(tiny_models, tiny_data, tmp_path / "b", teacher_cache_dir=cache)) == 0
     warm = results_of(tmp_path / "b")
     assert warm["teacher_loaded"] is False
+    assert warm["teacher_load_seconds"] == 0
     assert all(p["teacher_seconds"] == 0 for p in warm["phases"].values())
     assert warm["teacher"] == results_of(tmp_path / "a")["teacher"]
 
