@@ -76,7 +76,12 @@ class TokenizedTexts:
 
 
 class LengthGroupedBatchSampler:
-    """Deterministic global batches of similar-length samples, reshuffled every epoch."""
+    """Deterministic global batches of similar-length samples, reshuffled every epoch.
+
+    Each epoch starts with its widest batch (as transformers' `LengthGroupedSampler` does): a batch size
+    that does not fit in memory fails at the first step, not hours in, and the allocator sizes its blocks
+    for the largest activations first, so later batches reuse them instead of growing the heap.
+    """
 
     def __init__(self, lengths: np.ndarray, batch_size: int, seed: int, megabatch_factor: int = MEGABATCH_FACTOR):
         self.lengths = np.asarray(lengths)
@@ -101,7 +106,11 @@ class LengthGroupedBatchSampler:
             group = group[np.argsort(-self.lengths[group], kind="stable")]  # longest first inside the group
             batches += [group[i : i + self.batch_size] for i in range(0, len(group), self.batch_size)]
         batches = [b for b in batches if len(b) == self.batch_size]
-        for index in rng.permutation(len(batches)):  # groups themselves in random order
+        order = rng.permutation(len(batches))  # groups themselves in random order,
+        if len(order):  # except that the widest batch comes first (see the class doc)
+            widest = int(np.argmax([self.lengths[batches[i]].max() for i in order]))
+            order[[0, widest]] = order[[widest, 0]]
+        for index in order:
             yield batches[index].tolist()
 
 

@@ -191,6 +191,20 @@ def test_sampler_batches_are_not_sorted_globally() -> None:
     assert longest != sorted(longest) and longest != sorted(longest, reverse=True)
 
 
+def test_sampler_starts_every_epoch_with_its_widest_batch() -> None:
+    lengths = wide_lengths(2048, seed=4)
+    sampler = LengthGroupedBatchSampler(lengths, 16, seed=2, megabatch_factor=4)
+    firsts = []
+    for epoch in range(4):
+        sampler.set_epoch(epoch)
+        batches = list(sampler)
+        widths = [int(lengths[b].max()) for b in batches]
+        assert widths[0] == max(widths)  # a batch size too large for memory fails at step 1
+        assert widths[1:] != sorted(widths[1:], reverse=True)  # the rest stays shuffled
+        firsts.append(batches[0])
+    assert len({tuple(b) for b in firsts}) > 1  # which texts form the widest batch changes with the epoch
+
+
 # ---------------------------------------------------------------- collates and loader
 
 
