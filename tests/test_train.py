@@ -493,7 +493,9 @@ def test_fp16_gradient_compression_on_two_cpu_processes(tiny_models, tiny_data, 
     gradients trains close to the uncompressed 1 x 8 run (which 2 x 4 uncompressed matches to 1e-5).
 
     fp16 keeps 11 significant bits, so each gradient is off by up to 2**-11 = 5e-4 of itself: the losses stay
-    within 0.2% (4 such roundings) of the uncompressed ones. Weights move further apart, as AdamW normalises
+    within 0.2% (4 such roundings) of the uncompressed ones, or within 1e-4 where a loss is itself near zero
+    (the weights' differences, not the loss's own size, set how far it moves: measured 2.5e-5 on a loss of
+    0.005 once each epoch began with its widest batch). Weights move further apart, as AdamW normalises
     each gradient by its running size and turns a tiny gradient that fp16 rounds off into a step of up to
     the learning rate; 10 steps at lr <= 1e-3 bound the difference by 2 x 10 x 1e-3.
     """
@@ -508,5 +510,5 @@ def test_fp16_gradient_compression_on_two_cpu_processes(tiny_models, tiny_data, 
     assert results_of(out)["world_size"] == 2
     for rank in (0, 1):
         assert (tmp_path / f"hooks-rank{rank}.txt").read_text().split() == ["fp16_compress_hook"] * 2
-    assert_same_losses(out, eager_run, rtol=2e-3)
+    assert_same_losses(out, eager_run, atol=1e-4, rtol=2e-3)
     assert 1e-5 < max_weight_difference(out, eager_run) <= 2 * 10 * 1e-3  # compressed, so not the 1 x 8 weights
