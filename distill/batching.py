@@ -79,8 +79,8 @@ class LengthGroupedBatchSampler:
     """Deterministic global batches of similar-length samples, reshuffled every epoch.
 
     Each epoch starts with its widest batch (as transformers' `LengthGroupedSampler` does): a batch size
-    that does not fit in memory fails at the first step, not hours in, and the allocator sizes its blocks
-    for the largest activations first, so later batches reuse them instead of growing the heap.
+    that does not fit in memory fails at the first step, not hours in. (The allocator also meets the largest
+    activations first; whether that lowers peak memory is not shown: docs/BENCHMARKS.md, memory.)
     """
 
     def __init__(self, lengths: np.ndarray, batch_size: int, seed: int, megabatch_factor: int = MEGABATCH_FACTOR):
