@@ -9,6 +9,7 @@ lengths leaves little padding (about 2% against 56% for random batches on the de
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -58,20 +59,24 @@ class TokenizedTexts:
         return len(self.lengths)
 
     def features(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        """Padded input_ids / attention_mask (/ token_type_ids) for these texts, like the tokenizer's own padding."""
-        longest = int(self.lengths[indices].max())
+        """Padded input_ids / attention_mask (/ token_type_ids) for these texts, like the tokenizer's own padding.
+
+        Built with one gather from the flat token array, not a copy per row: at batch 256 a per-row loop costs
+        milliseconds of host time per step, which a GPU spends idle.
+        """
+        lengths = self.lengths[indices]
+        longest = int(lengths.max())
         multiple = self.pad_to_multiple_of
         width = max(longest, min(-(-longest // multiple) * multiple, self.max_length))
-        input_ids = torch.full((len(indices), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(indices), width), dtype=torch.long)
-        for row, index in enumerate(indices):
-            ids = torch.from_numpy(self.ids[self.offsets[index] : self.offsets[index + 1]].astype(np.int64))
-            span = slice(width - len(ids), width) if self.padding_side == "left" else slice(0, len(ids))
-            input_ids[row, span] = ids
-            attention_mask[row, span] = 1
-        features = {"input_ids": input_ids, "attention_mask": attention_mask}
+        columns = np.arange(width)[None, :]
+        if self.padding_side == "left":
+            columns = columns - (width - lengths)[:, None]  # position of each column inside its text
+        mask = (columns >= 0) & (columns < lengths[:, None])
+        positions = np.where(mask, self.offsets[indices][:, None] + columns, 0)
+        input_ids = torch.from_numpy(np.where(mask, self.ids[positions], self.pad_token_id))
+        features = {"input_ids": input_ids.long(), "attention_mask": torch.from_numpy(mask).long()}
         if self.with_token_types:
-            features["token_type_ids"] = torch.zeros_like(input_ids)
+            features["token_type_ids"] = torch.zeros_like(features["input_ids"])
         return features
 
 
@@ -176,9 +181,10 @@ def map_sharded(
     accelerator,  # noqa: ANN001 - accelerate.Accelerator
     lengths: np.ndarray,
     batch_size: int,
-    encode_batch: Callable[[list[int]], torch.Tensor],
+    encode_batch: Callable[[object], torch.Tensor],
     chunk_size: int = 1024,
     sink: Callable[[np.ndarray, np.ndarray], None] | None = None,
+    prepare: Callable[[list[int]], object] | None = None,
 ) -> np.ndarray | None:
     """Run `encode_batch` over all items, each process on its share, longest first.
 
@@ -186,15 +192,21 @@ def map_sharded(
     `chunk_size` items, so each rank makes the same number of collective calls and memory stays bounded.
     Each gathered chunk goes to `sink(indices, vectors)`; without a sink the rows are collected and
     returned as one (len(lengths), dim) float32 array (for small sets, e.g. evaluation).
+
+    With `prepare`, `encode_batch` gets `prepare(indices)` instead of the indices, and the next batch is
+    prepared in a background thread while this one encodes: tokenizing (which releases the GIL) overlaps
+    the model's forward pass instead of leaving a GPU idle between batches.
     """
     order = np.random.default_rng(len(lengths)).permutation(len(lengths)).tolist()  # balances lengths over ranks
     with accelerator.split_between_processes(order, apply_padding=True) as shard:
         shard = list(shard)
     shard = [shard[j] for j in np.argsort(-np.asarray(lengths)[shard], kind="stable")]
+    chunks = [shard[start : start + chunk_size] for start in range(0, len(shard), chunk_size)]
+    batches = [chunk[b : b + batch_size] for chunk in chunks for b in range(0, len(chunk), batch_size)]
+    encoded = _encode_all(batches, encode_batch, prepare)
     collected: list[tuple[np.ndarray, np.ndarray]] = []
-    for start in range(0, len(shard), chunk_size):
-        chunk = shard[start : start + chunk_size]
-        vectors = torch.cat([encode_batch(chunk[b : b + batch_size]) for b in range(0, len(chunk), batch_size)])
+    for chunk in chunks:
+        vectors = torch.cat([next(encoded) for _ in range(0, len(chunk), batch_size)])
         vectors, indices = accelerator.gather(
             (vectors.float().contiguous(), torch.tensor(chunk, device=vectors.device))
         )
@@ -211,3 +223,18 @@ def map_sharded(
     for indices, vectors in collected:
         out[indices] = vectors  # padded duplicates rewrite the same row with the same vector
     return out
+
+
+def _encode_all(
+    batches: list[list[int]], encode_batch: Callable[[object], torch.Tensor], prepare: Callable | None
+) -> Iterator[torch.Tensor]:
+    """encode_batch of each batch in turn; with `prepare`, batch i + 1 is prepared while batch i encodes."""
+    if prepare is None:
+        yield from (encode_batch(batch) for batch in batches)
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="distill-prepare") as pool:
+        pending = pool.submit(prepare, batches[0]) if batches else None
+        for i in range(len(batches)):
+            prepared = pending.result()
+            pending = pool.submit(prepare, batches[i + 1]) if i + 1 < len(batches) else None
+            yield encode_batch(prepared)

@@ -266,3 +266,33 @@ def test_map_sharded_returns_rows_in_input_order(accelerator: Accelerator) -> No
     for start in range(0, 50, 16):
         chunk = lengths[order[start : start + 16]]
         assert list(chunk) == sorted(chunk, reverse=True)
+
+
+def test_map_sharded_prepares_the_next_batch_in_the_background(accelerator: Accelerator) -> None:
+    import threading
+
+    lengths = wide_lengths(50, seed=4)
+    prepared_in: set[str] = set()
+
+    def prepare(indices: list[int]) -> torch.Tensor:
+        prepared_in.add(threading.current_thread().name)
+        return torch.tensor([[i, 2 * i] for i in indices], dtype=torch.float64)
+
+    plain = map_sharded(accelerator, lengths, 8, lambda indices: prepare(indices), chunk_size=16)
+    prepared_in.clear()
+    encoded: list[int] = []
+
+    def encode(batch: torch.Tensor) -> torch.Tensor:
+        encoded.append(len(batch))
+        return batch
+
+    ahead = map_sharded(accelerator, lengths, 8, encode, chunk_size=16, prepare=prepare)
+    assert np.array_equal(ahead, plain) and np.array_equal(ahead[:, 0], np.arange(50))
+    assert sum(encoded) == 50 and all(n <= 8 for n in encoded)
+    assert prepared_in and threading.current_thread().name not in prepared_in  # never on the caller's thread
+
+    def broken(indices: list[int]) -> torch.Tensor:
+        raise ValueError("tokenizer says no")
+
+    with pytest.raises(ValueError, match="tokenizer says no"):  # raised to the caller, not lost in the thread
+        map_sharded(accelerator, lengths, 8, encode, chunk_size=16, prepare=broken)
