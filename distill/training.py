@@ -170,6 +170,19 @@ def phase_loss(
     return loss, (alignment + similarity).detach()
 
 
+def batch_verdict(accelerator: Accelerator, reported: torch.Tensor, stop: bool) -> tuple[float, bool]:
+    """(the batch's loss averaged over all ranks, whether any rank was asked to stop): one collective, one host read.
+
+    Called once backward is queued, so a GPU runs the backward pass while the host waits for the loss, and the
+    optimizer step is still to come, so a non-finite loss can stop the run with the weights intact. The stop
+    flag travels in the same reduction, so a step costs one blocking collective, not two.
+    """
+    reported = reported.detach().float().reshape(1)
+    flags = torch.cat([reported, reported.new_full((1,), float(stop))])  # made on the device: no copy, no wait
+    total, stops = accelerator.reduce(flags, reduction="sum").tolist()
+    return total / accelerator.num_processes, stops > 0
+
+
 @dataclass
 class CheckpointSettings:
     output_dir: Path
@@ -253,6 +266,7 @@ def train_phase(
         dynamic_ncols=True,
     )
     window_losses: list[float] = []
+    stop_requested = False
     window_start = state.batches_done  # batches done at the last optimizer step: where a resume restarts
     started = time.perf_counter() - state.train_seconds
     for epoch in range(state.epoch, settings.epochs):
@@ -267,9 +281,10 @@ def train_phase(
         for batch in batches:
             with accelerator.accumulate(wrapped):
                 loss, reported = phase_loss(accelerator, wrapped, batch, settings)
-                # the one host read of a batch (on a GPU, a wait for it): the guard and the logged mean use it
-                global_loss = accelerator.reduce(reported, reduction="mean").item()
-                if not math.isfinite(global_loss):
+                accelerator.backward(loss)
+                global_loss, stop = batch_verdict(accelerator, reported, _Preemption.requested)
+                stop_requested = stop_requested or stop
+                if not math.isfinite(global_loss):  # before the optimizer step: the weights are still good
                     state.batches_done = window_start
                     path = save_checkpoint(accelerator, checkpoints.output_dir, state, checkpoints.limit)
                     raise TrainingStopped(
@@ -278,7 +293,6 @@ def train_phase(
                         "lower the learning rate or use --mixed_precision bf16/no, then --resume_from_checkpoint",
                         exit_code=3,
                     )
-                accelerator.backward(loss)
                 if accelerator.sync_gradients and settings.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(wrapped.parameters(), settings.max_grad_norm)
                 optimizer.step()
@@ -297,11 +311,9 @@ def train_phase(
             state.losses.append(mean_loss)
             state.train_seconds = time.perf_counter() - started
             progress.update(1)
-            progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+            progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}", refresh=False)
             accelerator.log({f"{settings.name}/loss": mean_loss, f"{settings.name}/lr": scheduler.get_last_lr()[0]})
-            if _Preemption.requested:
-                accelerator.set_trigger()
-            if accelerator.check_trigger():  # collective: every rank stops at the same step
+            if stop_requested:  # decided collectively (batch_verdict): every rank stops at the same step
                 path = save_checkpoint(accelerator, checkpoints.output_dir, state, checkpoints.limit)
                 raise TrainingStopped(
                     f"stopped by SIGTERM in {settings.name} at optimizer step {state.optimizer_steps}; checkpoint "

@@ -145,6 +145,31 @@ def test_sigterm_saves_a_checkpoint_and_exits_then_latest_continues(reference, t
 
 
 @pytest.mark.multiprocess
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(reference, tiny_models, tiny_data, tmp_path):
+    """The stop flag travels in the per-batch loss reduction: rank 0 stops too, and the checkpoint resumes."""
+    out = tmp_path / "preempted-rank"
+    argv = flags(tiny_models, tiny_data, out, tmp_path / "cache")
+    process = start(command(2, argv))
+    wait_for_checkpoint(out, "phase1", process)
+    workers = [
+        p
+        for p in psutil.Process(process.pid).children(recursive=True)
+        if "distill.train" in " ".join(p.cmdline()) and p.pid != process.pid
+    ]
+    assert len(workers) == 2
+    before = set(list_checkpoints(out / "checkpoints"))
+    workers[-1].send_signal(signal.SIGTERM)  # one rank only; the launcher and the other rank get nothing
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode != 0
+    assert "stopped by SIGTERM in phase" in stderr  # printed by rank 0 only: it stopped too
+    saved = [p for p in list_checkpoints(out / "checkpoints") if p not in before]
+    assert saved, "no checkpoint was written on the way out"
+    assert not (out / "results.json").exists()
+    finish(command(2, [*argv, "--resume_from_checkpoint", "latest"]))
+    assert max_difference(weights(out), reference[2]) <= 1e-6
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("rendezvous", ["c10d", "static"])
 def test_elastic_restart_resumes_after_one_rank_dies(rendezvous, reference, tiny_models, tiny_data, tmp_path):
     """Under --max_restarts, a rank killed mid-run makes the group restart and pick up the latest checkpoint.
