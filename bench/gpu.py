@@ -2,6 +2,7 @@
 
     python bench/gpu.py floor --out OUT     # bare-loop variants, step split, TFLOP/s   (`make bench-gpu`: both)
     python bench/gpu.py e2e   --out OUT     # toolkit (DDP on 1 GPU), peer, floor
+    python bench/gpu.py teacher --out OUT   # where the teacher seconds go (torchrun --nproc_per_node 1 for NCCL)
     python bench/gpu.py floor --model DIR --random_weights --texts FILE --out OUT   # weights from DIR's config
 
 `floor` runs in this one process, over pre-collated length-grouped batches (the toolkit's sampler) and
@@ -379,6 +380,7 @@ def toolkit(args: argparse.Namespace, spec: dict, name: str, cache: Path, extra:
         "teacher_seconds": phase["teacher_seconds"],
         "teacher_loaded": results["teacher_loaded"],
         "teacher_load_seconds": results["teacher_load_seconds"],
+        "teacher_encode_seconds": round(phase["teacher_seconds"] - results["teacher_load_seconds"], 3),
         "train_seconds": phase["train_seconds"],
         "train_samples": phase["train_samples"],
         "samples_per_second": phase["samples_per_second"],
@@ -431,7 +433,7 @@ def run_e2e(args: argparse.Namespace, results: Results) -> None:
         "toolkit-warm-fp32": {"mixed_precision": "no"},
         "toolkit-warm-no-ddp": {"ddp": False},
     }
-    for name, extra in options.items():
+    for name, extra in () if args.no_options else options.items():
         results.add(f"e2e/options/{name}", toolkit(args, spec, name, cache, extra))
     summarize_e2e(results)
 
@@ -444,7 +446,7 @@ def summarize_e2e(results: Results) -> None:
 
     summary = {}
     for variant in ("toolkit-cold", "toolkit-warm", "peer", "floor"):
-        for key in ("samples_per_second", "teacher_seconds", "train_seconds", "seconds"):
+        for key in ("samples_per_second", "teacher_seconds", "teacher_encode_seconds", "train_seconds", "seconds"):
             got = values(variant, key)
             if got:
                 summary[f"{variant}/{key}"] = {
@@ -453,6 +455,92 @@ def summarize_e2e(results: Results) -> None:
                     "max": max(got),
                 }
     results.add("e2e/summary", summary)
+
+
+# ----------------------------------------------------------------------------------------------- teacher
+
+
+def timed(function, *args, **kwargs) -> tuple[object, float]:  # noqa: ANN001
+    """(result, seconds), the device's queued work included."""
+    synchronize(str(device()))
+    started = time.perf_counter()
+    result = function(*args, **kwargs)
+    synchronize(str(device()))
+    return result, time.perf_counter() - started
+
+
+def run_teacher(args: argparse.Namespace, results: Results) -> None:
+    """Where the toolkit's cold teacher seconds go, against the peer's one `encode` call, in one process.
+
+    Launched plainly or through torchrun (then the toolkit's gathers go through NCCL as in `e2e`). Each
+    stage is timed on its own: the first CUDA work, the teacher's loading, the token-length pass, the
+    toolkit's whole cache fill (TeacherCache.embeddings with the teacher already loaded: sharded encoding
+    with the next batch tokenized in the background, gathers, writes), `SentenceTransformer.encode` called
+    on each of the same length-sorted batches in turn (what the toolkit did before it tokenized ahead), and
+    the peer's one `encode` of all texts; each twice, so first-call costs show.
+    """
+    import numpy as np
+    from accelerate import Accelerator
+
+    from distill.batching import map_sharded
+    from distill.config import ModelConfig
+    from distill.teacher import TeacherCache, TeacherSpec, load_teacher
+
+    accelerator = Accelerator()
+    teacher_path, _ = models(args)
+    texts = load_texts(args.texts, args.samples or 8000)
+    batch = args.batch_size
+    results.data["workload"] = {"texts": len(texts), "batch_size": batch, "max_length": MAX_LENGTH}
+    results.data["processes"] = accelerator.num_processes
+    found = {}
+    _, found["first_cuda_work_seconds"] = timed(lambda: torch.ones(8, device=accelerator.device).sum().item())
+    _, found["first_collective_seconds"] = timed(accelerator.wait_for_everyone)
+    teacher, found["load_seconds"] = timed(load_teacher, str(teacher_path), accelerator.device)
+    teacher.max_seq_length = MAX_LENGTH
+    lengths = np.asarray([len(t) for t in texts])  # characters, as encode sorts
+    config = ModelConfig(teacher_model=str(teacher_path), max_seq_length=MAX_LENGTH)
+    spec = TeacherSpec.from_config(config, accelerator.device)
+    for attempt in (1, 2):
+        folder = args.workdir / f"teacher-cache-{attempt}"
+        shutil.rmtree(folder, ignore_errors=True)
+        cache = TeacherCache(accelerator, spec, folder, batch)
+        cache.teacher = teacher  # loaded above: this times the fill alone
+        cache.key(texts, "document")  # the weights' hash, outside the toolkit's teacher clock too
+        _, found[f"toolkit_fill_{attempt}_seconds"] = timed(cache.embeddings, texts, "document")
+        found[f"toolkit_fill_{attempt}_teacher_seconds"] = round(cache.seconds, 3)
+
+    def encode(indices: list[int]) -> torch.Tensor:
+        return teacher.encode(
+            [texts[i] for i in indices],
+            batch_size=len(indices),
+            convert_to_tensor=True,
+            normalize_embeddings=True,
+            show_progress_bar=False,
+        )
+
+    for attempt in (1, 2):
+        _, found[f"encode_per_batch_{attempt}_seconds"] = timed(
+            map_sharded, _NoGather(accelerator), lengths, batch, encode, sink=lambda i, v: None
+        )
+        _, found[f"peer_encode_{attempt}_seconds"] = timed(
+            lambda: np.asarray(teacher.encode(texts, batch_size=batch, show_progress_bar=False), dtype=np.float32)
+        )
+    found = {k: round(v, 3) if isinstance(v, float) else v for k, v in found.items()}
+    results.add("teacher/stages", found)
+
+
+class _NoGather:
+    """An Accelerator stand-in for map_sharded: this process's share, with gathers that copy nothing."""
+
+    def __init__(self, accelerator):  # noqa: ANN001
+        self.accelerator = accelerator
+
+    def split_between_processes(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        return self.accelerator.split_between_processes(*args, **kwargs)
+
+    @staticmethod
+    def gather(tensors):  # noqa: ANN001, ANN205
+        return tensors
 
 
 # ----------------------------------------------------------------------------------------------- main
@@ -468,7 +556,7 @@ def workload_file(args: argparse.Namespace) -> Path:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=("floor", "e2e"))
+    parser.add_argument("part", choices=("floor", "e2e", "teacher"))
     parser.add_argument(
         "--model",
         default="sentence-transformers/all-mpnet-base-v2",
@@ -481,6 +569,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=None, help="texts used (default: floor 40000, e2e 8000)")
     parser.add_argument("--batch_size", type=int, default=32, help="e2e batch size (the CPU benchmark's)")
     parser.add_argument("--repeats", type=int, default=3, help="e2e repeats of cold/warm/peer/floor")
+    parser.add_argument("--no_options", action="store_true", help="e2e: skip the option runs (compile, hook, ...)")
     parser.add_argument("--only", default="", help="floor: comma-separated substrings of variant names to run")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that every variant runs")
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON results and logs")
@@ -500,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     results = Results(args.out / f"gpu-{args.part}.json", ["python", "bench/gpu.py", *argv])
     log(f"machine: {results.data['machine']}")
     started = time.perf_counter()
-    (run_floor if args.part == "floor" else run_e2e)(args, results)
+    {"floor": run_floor, "e2e": run_e2e, "teacher": run_teacher}[args.part](args, results)
     results.data["seconds"] = round(time.perf_counter() - started, 1)
     results.save()
     log(f"done in {results.data['seconds']} s: {results.path}")
