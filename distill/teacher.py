@@ -182,14 +182,24 @@ class TeacherCache:
         """Each process encodes its share of the texts, longest first; `sink` gets every gathered chunk.
 
         Per batch this does what `SentenceTransformer.encode` does (`preprocess` with the prompt, forward,
-        normalise), sorted by character length as `encode` sorts; on a GPU the next batch is tokenized in a
-        background thread while this one runs, since tokenizing otherwise leaves the GPU idle between batches.
+        normalise). How batches are formed depends on what costs time:
+        - on a CPU the forward pass does, so texts are sorted by their exact token count (a tokenizer pass
+          first): batches of 32 of the CPU benchmark's 8,000 texts carry 0.8% padding that way, 32% when
+          sorted by characters as `encode` sorts;
+        - on a GPU a small teacher waits for the tokenizer, so texts are sorted by characters (no extra
+          pass: 6 of 16 s at 40k texts on an H100) and the next batch is tokenized in a background thread
+          while this one runs. (A large teacher on a GPU is bound by its forward pass again, where exact
+          lengths would pay; not measured.)
         """
         teacher = self._load()  # first, so that importing sentence-transformers counts as loading
         from sentence_transformers.util import batch_to_device
 
         prompt = self.spec.query_prompt if role == "query" else ""
-        lengths = np.fromiter((len(prompt) + len(t) for t in texts), dtype=np.int64, count=len(texts))
+        on_cpu = teacher.device.type == "cpu"
+        if on_cpu:
+            lengths = np.asarray(token_lengths(teacher, [prompt + t for t in texts], teacher.max_seq_length))
+        else:
+            lengths = np.fromiter((len(prompt) + len(t) for t in texts), dtype=np.int64, count=len(texts))
 
         def tokenize(indices: list[int]) -> dict:
             return teacher.preprocess([texts[i] for i in indices], prompt=prompt or None)
@@ -199,7 +209,7 @@ class TeacherCache:
             embeddings = teacher(batch_to_device(features, teacher.device))["sentence_embedding"]
             return torch.nn.functional.normalize(embeddings.float(), p=2, dim=1)
 
-        if teacher.device.type == "cpu":  # the forward pass already keeps every core busy: nothing to overlap
+        if on_cpu:  # the forward pass already keeps every core busy: nothing to overlap
             map_sharded(self.accelerator, lengths, self.batch_size, lambda i: encode(tokenize(i)), sink=sink)
         else:
             map_sharded(self.accelerator, lengths, self.batch_size, encode, sink=sink, prepare=tokenize)
@@ -252,6 +262,21 @@ def mine_hard_negatives(
         scores[scores > (1 - margin) * positive[:, None]] = float("-inf")
         mined[start : start + len(q)] = torch.topk(scores, count, dim=1).indices.numpy()
     return mined
+
+
+def token_lengths(model, texts: list[str], max_length: int | None, chunk_size: int = 4096) -> list[int]:  # noqa: ANN001
+    """Token count of each text under `model`'s tokenizer, truncated as the model will truncate it.
+
+    Tokenized in chunks: the fast tokenizer's per-token bookkeeping for 40k texts at once costs a few
+    hundred MB that the heap keeps afterwards.
+    """
+    tokenizer = model.tokenizer
+    lengths: list[int] = []
+    for start in range(0, len(texts), chunk_size):
+        batch = texts[start : start + chunk_size]
+        encoded = tokenizer(batch, truncation=True, max_length=max_length, add_special_tokens=True)
+        lengths.extend(len(ids) for ids in encoded["input_ids"])
+    return lengths
 
 
 def read_entry(entry: Path, key: str, count: int) -> np.ndarray | None:

@@ -296,3 +296,29 @@ def test_teacher_seconds_count_the_loading_once(
     assert cache.load_seconds >= 1.0
     encoding = cache.seconds - cache.load_seconds
     assert 0 < encoding < 1.0  # six short texts through the tiny teacher; a second load would add >= 1 s
+
+
+def test_cpu_batches_are_formed_by_token_count_not_characters(
+    accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a CPU the forward pass is the cost: texts are sorted by exact token count, with no background thread."""
+    seen: dict[str, object] = {}
+    real_map = teacher_module.map_sharded
+
+    def spy(accelerator, lengths, batch_size, encode, **kwargs):  # noqa: ANN001, ANN202
+        seen["lengths"], seen["prepare"] = np.asarray(lengths), kwargs.get("prepare")
+        return real_map(accelerator, lengths, batch_size, encode, **kwargs)
+
+    monkeypatch.setattr(teacher_module, "map_sharded", spy)
+    # characters and tokens disagree: one long unbroken word is few tokens, short words are one token each
+    texts = ["a b c d e f g h i j", "abcdefghijklmnopqrstuvwxyz" * 2, *sentences(10, seed=3)]
+    cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache")
+    vectors = cache.embeddings(texts, "document")
+    tokenizer = cache.teacher.tokenizer
+    expected = [len(tokenizer(t, truncation=True, max_length=cache.teacher.max_seq_length)["input_ids"]) for t in texts]
+    assert seen["lengths"].tolist() == expected
+    assert seen["prepare"] is None
+    assert expected[0] > expected[1] and len(texts[0]) < len(texts[1])  # the example does tell the two apart
+    np.testing.assert_allclose(
+        np.asarray(vectors, dtype=np.float32), reference_embeddings(tiny_models["teacher"], texts), atol=2e-3
+    )
