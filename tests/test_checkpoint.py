@@ -86,6 +86,15 @@ def wait_for_checkpoint(out: Path, phase: str, process: subprocess.Popen, timeou
     pytest.fail(f"no {phase} checkpoint within {timeout}s")
 
 
+def training_processes(launcher: subprocess.Popen) -> list[psutil.Process]:
+    """The ranks a launcher started (its descendants that run distill.train), in start order."""
+    return [
+        p
+        for p in psutil.Process(launcher.pid).children(recursive=True)
+        if "distill.train" in " ".join(p.cmdline()) and p.pid != launcher.pid
+    ]
+
+
 def weights(out: Path) -> dict[str, torch.Tensor]:
     folder = out / "artifacts" / "model"
     found = {}
@@ -151,11 +160,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(reference, tiny_m
     argv = flags(tiny_models, tiny_data, out, tmp_path / "cache")
     process = start(command(2, argv))
     wait_for_checkpoint(out, "phase1", process)
-    workers = [
-        p
-        for p in psutil.Process(process.pid).children(recursive=True)
-        if "distill.train" in " ".join(p.cmdline()) and p.pid != process.pid
-    ]
+    workers = training_processes(process)
     assert len(workers) == 2
     before = set(list_checkpoints(out / "checkpoints"))
     workers[-1].send_signal(signal.SIGTERM)  # one rank only; the launcher and the other rank get nothing
@@ -181,11 +186,7 @@ def test_elastic_restart_resumes_after_one_rank_dies(rendezvous, reference, tiny
     argv = [*flags(tiny_models, tiny_data, out, tmp_path / "cache"), "--ddp_timeout", "120"]
     process = start(command(2, argv, "--max_restarts", "3", "--monitor_interval", "1", "--rdzv_backend", rendezvous))
     wait_for_checkpoint(out, "phase1", process)
-    workers = [
-        p
-        for p in psutil.Process(process.pid).children(recursive=True)
-        if "distill.train" in " ".join(p.cmdline()) and p.pid != process.pid
-    ]
+    workers = training_processes(process)
     assert len(workers) == 2
     workers[-1].kill()
     _, stderr = process.communicate(timeout=600)
