@@ -417,7 +417,8 @@ def main_block(args: argparse.Namespace, found: dict, head: list[str]) -> str:
         "What each figure is: *teacher s* loads the teacher and encodes every training text (the toolkit "
         "counts the same, 0 on a warm cache); *encoding alone* leaves out importing sentence-transformers and "
         "loading the weights (the peer's `encode` call; the toolkit's teacher seconds less its loading), which "
-        "the two processes do not pay alike (the peer imports `datasets` and `transformers` before its clock); *training s* is the training loop alone (the peer's "
+        "the two processes do not pay alike (the peer imports `datasets` and `transformers` before its clock); "
+        "*training s* is the training loop alone (the peer's "
         "`trainer.train()`, the toolkit's `train_seconds` from results.json, the floor's loop over "
         "pre-collated batches); *process wall s* is the whole process including imports, model loading, "
         "tokenization and (toolkit) export; *peak RSS* is that process's maximum resident set (ru_maxrss).",
