@@ -182,24 +182,18 @@ class TeacherCache:
         """Each process encodes its share of the texts, longest first; `sink` gets every gathered chunk.
 
         Per batch this does what `SentenceTransformer.encode` does (`preprocess` with the prompt, forward,
-        normalise). How batches are formed depends on what costs time:
-        - on a CPU the forward pass does, so texts are sorted by their exact token count (a tokenizer pass
-          first): batches of 32 of the CPU benchmark's 8,000 texts carry 0.8% padding that way, 32% when
-          sorted by characters as `encode` sorts;
-        - on a GPU a small teacher waits for the tokenizer, so texts are sorted by characters (no extra
-          pass: 6 of 16 s at 40k texts on an H100) and the next batch is tokenized in a background thread
-          while this one runs. (A large teacher on a GPU is bound by its forward pass again, where exact
-          lengths would pay; not measured.)
+        normalise), but texts are sorted by their exact token count (a tokenizer pass first), not by
+        characters as `encode` sorts: by characters, batches of the benchmark's texts carry 32% (8,000 texts,
+        batch 32) to 43% (40,000, batch 256) padding, against 0.8-1.2% by tokens, and a large teacher pays
+        for every padded token. On a GPU the next batch is tokenized in a background thread while this one
+        runs, since a small teacher otherwise waits for the tokenizer between batches; on a CPU the forward
+        pass already keeps every core busy.
         """
         teacher = self._load()  # first, so that importing sentence-transformers counts as loading
         from sentence_transformers.util import batch_to_device
 
         prompt = self.spec.query_prompt if role == "query" else ""
-        on_cpu = teacher.device.type == "cpu"
-        if on_cpu:
-            lengths = np.asarray(token_lengths(teacher, [prompt + t for t in texts], teacher.max_seq_length))
-        else:
-            lengths = np.fromiter((len(prompt) + len(t) for t in texts), dtype=np.int64, count=len(texts))
+        lengths = np.asarray(token_lengths(teacher, [prompt + t for t in texts], teacher.max_seq_length))
 
         def tokenize(indices: list[int]) -> dict:
             return teacher.preprocess([texts[i] for i in indices], prompt=prompt or None)
@@ -209,7 +203,7 @@ class TeacherCache:
             embeddings = teacher(batch_to_device(features, teacher.device))["sentence_embedding"]
             return torch.nn.functional.normalize(embeddings.float(), p=2, dim=1)
 
-        if on_cpu:  # the forward pass already keeps every core busy: nothing to overlap
+        if not tokenize_ahead(teacher.device):
             map_sharded(self.accelerator, lengths, self.batch_size, lambda i: encode(tokenize(i)), sink=sink)
         else:
             map_sharded(self.accelerator, lengths, self.batch_size, encode, sink=sink, prepare=tokenize)
@@ -262,6 +256,11 @@ def mine_hard_negatives(
         scores[scores > (1 - margin) * positive[:, None]] = float("-inf")
         mined[start : start + len(q)] = torch.topk(scores, count, dim=1).indices.numpy()
     return mined
+
+
+def tokenize_ahead(device: torch.device) -> bool:
+    """Whether the teacher's next batch is tokenized in a background thread: on accelerators, not on a CPU."""
+    return device.type != "cpu"
 
 
 def token_lengths(model, texts: list[str], max_length: int | None, chunk_size: int = 4096) -> list[int]:  # noqa: ANN001

@@ -322,3 +322,24 @@ def test_cpu_batches_are_formed_by_token_count_not_characters(
     np.testing.assert_allclose(
         np.asarray(vectors, dtype=np.float32), reference_embeddings(tiny_models["teacher"], texts), atol=2e-3
     )
+
+
+def test_tokenizing_ahead_gives_the_same_vectors(
+    accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU path (next batch tokenized in a background thread), forced on the CPU: same vectors, same order."""
+    seen: dict[str, object] = {}
+    real_map = teacher_module.map_sharded
+
+    def spy(accelerator, lengths, batch_size, encode, **kwargs):  # noqa: ANN001, ANN202
+        seen["prepare"] = kwargs.get("prepare")
+        return real_map(accelerator, lengths, batch_size, encode, **kwargs)
+
+    monkeypatch.setattr(teacher_module, "map_sharded", spy)
+    monkeypatch.setattr(teacher_module, "tokenize_ahead", lambda device: True)
+    texts = sentences(37, seed=11)
+    cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache", prompt="query: ")
+    vectors = np.asarray(cache.embeddings(texts, "query"), dtype=np.float32)
+    assert seen["prepare"] is not None
+    expected = reference_embeddings(tiny_models["teacher"], texts, prompt="query: ")
+    np.testing.assert_allclose(vectors, expected, atol=2e-3)
