@@ -38,6 +38,19 @@ def reference_embeddings(model: Path, texts: list[str], prompt: str | None = Non
     return teacher.encode(texts, prompt=prompt, normalize_embeddings=True, convert_to_numpy=True)
 
 
+def spy_on_map_sharded(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    """What the teacher hands map_sharded (the sort lengths, the prepare function), filled in when it is called."""
+    seen: dict[str, object] = {}
+    real_map = teacher_module.map_sharded
+
+    def spy(accelerator, lengths, batch_size, encode, **kwargs):  # noqa: ANN001, ANN202
+        seen["lengths"], seen["prepare"] = np.asarray(lengths), kwargs.get("prepare")
+        return real_map(accelerator, lengths, batch_size, encode, **kwargs)
+
+    monkeypatch.setattr(teacher_module, "map_sharded", spy)
+    return seen
+
+
 def cache_entries(cache_dir: Path) -> list[Path]:
     return sorted(cache_dir.iterdir())
 
@@ -302,14 +315,7 @@ def test_cpu_batches_are_formed_by_token_count_not_characters(
     accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On a CPU the forward pass is the cost: texts are sorted by exact token count, with no background thread."""
-    seen: dict[str, object] = {}
-    real_map = teacher_module.map_sharded
-
-    def spy(accelerator, lengths, batch_size, encode, **kwargs):  # noqa: ANN001, ANN202
-        seen["lengths"], seen["prepare"] = np.asarray(lengths), kwargs.get("prepare")
-        return real_map(accelerator, lengths, batch_size, encode, **kwargs)
-
-    monkeypatch.setattr(teacher_module, "map_sharded", spy)
+    seen = spy_on_map_sharded(monkeypatch)
     # characters and tokens disagree: one long unbroken word is few tokens, short words are one token each
     texts = ["a b c d e f g h i j", "abcdefghijklmnopqrstuvwxyz" * 2, *sentences(10, seed=3)]
     cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache")
@@ -328,14 +334,7 @@ def test_tokenizing_ahead_gives_the_same_vectors(
     accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The GPU path (next batch tokenized in a background thread), forced on the CPU: same vectors, same order."""
-    seen: dict[str, object] = {}
-    real_map = teacher_module.map_sharded
-
-    def spy(accelerator, lengths, batch_size, encode, **kwargs):  # noqa: ANN001, ANN202
-        seen["prepare"] = kwargs.get("prepare")
-        return real_map(accelerator, lengths, batch_size, encode, **kwargs)
-
-    monkeypatch.setattr(teacher_module, "map_sharded", spy)
+    seen = spy_on_map_sharded(monkeypatch)
     monkeypatch.setattr(teacher_module, "tokenize_ahead", lambda device: True)
     texts = sentences(37, seed=11)
     cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache", prompt="query: ")
