@@ -473,18 +473,19 @@ def run_teacher(args: argparse.Namespace, results: Results) -> None:
     """Where the toolkit's cold teacher seconds go, against the peer's one `encode` call, in one process.
 
     Launched plainly or through torchrun (then the toolkit's gathers go through NCCL as in `e2e`). Each
-    stage is timed on its own: the first CUDA work, the teacher's loading, the token-length pass, the
-    toolkit's whole cache fill (TeacherCache.embeddings with the teacher already loaded: sharded encoding
-    with the next batch tokenized in the background, gathers, writes), `SentenceTransformer.encode` called
-    on each of the same length-sorted batches in turn (what the toolkit did before it tokenized ahead), and
-    the peer's one `encode` of all texts; each twice, so first-call costs show.
+    stage is timed on its own: the first CUDA work, the teacher's loading, the token-length pass (the
+    toolkit's sort key), the toolkit's whole cache fill (TeacherCache.embeddings with the teacher already
+    loaded: its own token-length pass, sharded encoding with the next batch tokenized in the background on a
+    GPU, gathers, writes), `SentenceTransformer.encode` called on each of the same token-sorted batches in
+    turn (what the toolkit did before it tokenized ahead), and the peer's one `encode` of all texts
+    (character-sorted inside); fills and encodes twice each, so first-call costs show.
     """
     import numpy as np
     from accelerate import Accelerator
 
     from distill.batching import map_sharded
     from distill.config import ModelConfig
-    from distill.teacher import TeacherCache, TeacherSpec, load_teacher
+    from distill.teacher import TeacherCache, TeacherSpec, load_teacher, token_lengths
 
     accelerator = Accelerator()
     teacher_path, _ = models(args)
@@ -497,7 +498,8 @@ def run_teacher(args: argparse.Namespace, results: Results) -> None:
     _, found["first_collective_seconds"] = timed(accelerator.wait_for_everyone)
     teacher, found["load_seconds"] = timed(load_teacher, str(teacher_path), accelerator.device)
     teacher.max_seq_length = MAX_LENGTH
-    lengths = np.asarray([len(t) for t in texts])  # characters, as encode sorts
+    lengths, found["token_lengths_seconds"] = timed(token_lengths, teacher, texts, MAX_LENGTH)  # the toolkit's key
+    lengths = np.asarray(lengths)
     config = ModelConfig(teacher_model=str(teacher_path), max_seq_length=MAX_LENGTH)
     spec = TeacherSpec.from_config(config, accelerator.device)
     for attempt in (1, 2):
