@@ -43,7 +43,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from run import toolkit_command, workload_texts  # noqa: E402 - the CPU benchmark's pieces
+from run import ATTENTION_DROPOUT, toolkit_command, workload_texts  # noqa: E402 - the CPU benchmark's pieces
 from variants import synchronize, train_steps  # noqa: E402
 
 MAX_LENGTH = 128
@@ -144,7 +144,7 @@ def make_student(path: Path, checkpointing: bool = False):  # noqa: ANN201
     from distill.train import freeze_unused_parameters
 
     torch.manual_seed(SEED)
-    student = load_student(str(path), max_seq_length=MAX_LENGTH)
+    student = load_student(str(path), max_seq_length=MAX_LENGTH, attention_dropout=ATTENTION_DROPOUT)  # as the toolkit
     freeze_unused_parameters(student)  # as the toolkit does (the pooler is unused)
     if checkpointing:
         enable_gradient_checkpointing(student)  # what --gradient_checkpointing does
@@ -348,6 +348,7 @@ def e2e_spec(args: argparse.Namespace, teacher: Path, student: Path) -> dict:
         "weight_decay": 0.01,
         "max_grad_norm": 1.0,
         "pad_to_multiple_of": 1,
+        "attention_dropout": ATTENTION_DROPOUT,
         "seed": SEED,
         "samples": args.samples or 8000,
         "texts_file": str(args.texts),

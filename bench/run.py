@@ -36,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS_SCRIPT = Path(__file__).resolve().parent / "variants.py"
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+ATTENTION_DROPOUT = 0.0  # the toolkit's default (--student_attention_dropout); the floor trains the same student
 VERSIONED = ("torch", "transformers", "sentence-transformers", "accelerate", "datasets", "numpy")
 HAND_WRITTEN_MARKER = "<!-- hand-written below: bench/run.py rewrites only the bench:* blocks above it -->"
 BLOCKS = ("main", "memory", "scaling")
@@ -142,6 +143,7 @@ def toolkit_command(spec: dict, output_dir: Path, cache_dir: Path, export: bool)
         "weight_decay": spec["weight_decay"],
         "max_grad_norm": spec["max_grad_norm"],
         "pad_to_multiple_of": spec["pad_to_multiple_of"],
+        "student_attention_dropout": spec["attention_dropout"],
         "skip_phase2": True,
         "eval_data": "none",
         "output_dir": output_dir,
@@ -183,6 +185,7 @@ def base_spec(args: argparse.Namespace, workdir: Path, samples: int) -> dict:
         "weight_decay": 0.01,
         "max_grad_norm": 1.0,
         "pad_to_multiple_of": args.pad_to_multiple_of,
+        "attention_dropout": ATTENTION_DROPOUT,  # the toolkit's and the floor's student; the peer keeps the model's
         "seed": args.seed,
         "samples": samples,
         "texts_file": str(texts_file),

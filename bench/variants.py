@@ -219,7 +219,12 @@ def floor(spec: dict, grouped: bool) -> dict:
     texts = load_texts(spec)
     targets = cached_teacher_vectors(spec, texts)
     torch.manual_seed(spec["seed"])
-    student = load_student(spec["student"], num_layers=spec["layers"], max_seq_length=spec["max_length"])
+    student = load_student(
+        spec["student"],
+        num_layers=spec["layers"],
+        max_seq_length=spec["max_length"],
+        attention_dropout=spec["attention_dropout"],  # the toolkit's student, so the same compute per batch
+    )
     tokens = TokenizedTexts(
         student.tokenizer, texts, student.max_seq_length, pad_to_multiple_of=spec["pad_to_multiple_of"]
     )

@@ -62,6 +62,11 @@ class ModelConfig:
     teacher_max_seq_length: int | None = _opt(
         default=None, help="Token limit for the teacher's inputs alone (default: max_seq_length, as the student)."
     )
+    student_attention_dropout: float | None = _opt(
+        default=0.0,
+        help="Dropout on the student's attention probabilities while it trains (default 0: the fused attention "
+        "kernel, faster, less memory, a better demo student; 'none' keeps the model's own).",
+    )
     trust_remote_code: bool = _opt(
         default=False, help="Allow models that ship their own Python code to run it (off by default)."
     )
@@ -393,6 +398,9 @@ def validate(config: Config) -> list[str]:
         value = getattr(config.model, name)
         if value is not None and value < 1:
             problems.append(f"{name}: expected a positive integer or nothing, got {value}")
+    dropout = config.model.student_attention_dropout
+    if dropout is not None and not 0 <= dropout < 1:
+        problems.append(f"student_attention_dropout: expected a probability in [0, 1) or none, got {dropout}")
     if config.checkpoint.checkpoint_steps < 0:
         problems.append(
             f"checkpoint_steps: expected 0 (off) or a positive integer, got {config.checkpoint.checkpoint_steps}"

@@ -21,16 +21,56 @@ from distill.teacher import load_sentence_transformer
 LAYER_CONTAINERS = ("encoder.layer", "encoder.layers", "layers", "transformer.layer", "h", "block", "encoder.block")
 
 
+# Where transformers configs keep the dropout on attention probabilities: BERT, RoBERTa, XLM-R, MPNet, ELECTRA,
+# DeBERTa use the first; Llama, Qwen, Mistral, DistilBERT, ModernBERT the second.
+ATTENTION_DROPOUT_FIELDS = ("attention_probs_dropout_prob", "attention_dropout")
+
+
 def load_student(
-    name: str, num_layers: int | None = None, max_seq_length: int | None = None, trust_remote_code: bool = False
+    name: str,
+    num_layers: int | None = None,
+    max_seq_length: int | None = None,
+    trust_remote_code: bool = False,
+    attention_dropout: float | None = None,
 ):  # noqa: ANN201 - SentenceTransformer
-    """Load the student on the CPU (Accelerate moves it), keeping `num_layers` evenly spaced layers."""
-    student = load_sentence_transformer(resolve_model(name), "cpu", trust_remote_code=trust_remote_code)
+    """Load the student on the CPU (Accelerate moves it), keeping `num_layers` evenly spaced layers.
+
+    `attention_dropout` replaces the dropout on attention probabilities while the student trains (None keeps
+    the model's own). At 0, PyTorch's scaled_dot_product_attention runs its fused kernel instead of
+    materialising the (batch x heads x length x length) probabilities and their dropout mask: on the demo,
+    19% less phase-2 time, about 300 MiB less per 32 x 128-token step on a CPU, and a better student
+    (docs/QUALITY.md). The loaded config keeps the model's own value, so the exported model's config does too.
+    """
+    path = resolve_model(name)
+    overrides = None if attention_dropout is None else dict.fromkeys(ATTENTION_DROPOUT_FIELDS, attention_dropout)
+    student = load_sentence_transformer(path, "cpu", trust_remote_code=trust_remote_code, config_kwargs=overrides)
+    if overrides:
+        _restore_config_fields(student, overrides, trust_remote_code)
     if num_layers is not None:
         prune_layers(student, num_layers)
     if max_seq_length is not None:
         student.max_seq_length = max_seq_length
     return student
+
+
+def _restore_config_fields(student, overrides: dict, trust_remote_code: bool) -> None:  # noqa: ANN001
+    """Put the config fields that `overrides` set back to the checkpoint's values (absent ones removed).
+
+    The modules were built with the overrides and keep them; only what the config records (and what the
+    exported model's config.json says) goes back to the original.
+    """
+    from transformers import AutoConfig
+
+    for module in student:
+        backbone = getattr(module, "auto_model", None)
+        if backbone is None:
+            continue
+        original = AutoConfig.from_pretrained(backbone.config._name_or_path, trust_remote_code=trust_remote_code)
+        for field in overrides:
+            if hasattr(original, field):
+                setattr(backbone.config, field, getattr(original, field))
+            elif hasattr(backbone.config, field):
+                delattr(backbone.config, field)
 
 
 def _layer_list(backbone: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:

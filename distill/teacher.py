@@ -52,13 +52,19 @@ def load_sentence_transformer(
     revision: str | None = None,
     trust_remote_code: bool = False,
     half: bool = False,
+    config_kwargs: dict | None = None,
 ):  # noqa: ANN201
-    """SentenceTransformer(path) with errors turned into one line that says how to fix them."""
+    """SentenceTransformer(path) with errors turned into one line that says how to fix them.
+
+    `config_kwargs` override fields of the backbone's transformers config before it is built.
+    """
     from sentence_transformers import SentenceTransformer
 
     kwargs = {}
     if half and torch.device(device).type == "cuda":
         kwargs["model_kwargs"] = {"torch_dtype": torch.bfloat16}
+    if config_kwargs:
+        kwargs["config_kwargs"] = config_kwargs
     try:
         return SentenceTransformer(
             path, device=str(device), revision=revision, trust_remote_code=trust_remote_code, **kwargs

@@ -247,6 +247,7 @@ def build_student(
         config.model.student_num_layers,
         config.model.max_seq_length,
         config.model.trust_remote_code,
+        config.model.student_attention_dropout,
     )
     freeze_unused_parameters(student)
     if config.training.gradient_checkpointing:

@@ -106,6 +106,10 @@ def test_unknown_yaml_key_via_build_config() -> None:
         (["--warmup_ratio", "1.0"], r"warmup_ratio: expected a fraction in \[0, 1\)"),
         (["--weight_decay", "-1"], r"weight_decay: expected a number >= 0"),
         (["--student_num_layers", "0"], r"student_num_layers: expected a positive integer or nothing"),
+        (
+            ["--student_attention_dropout", "1"],
+            r"student_attention_dropout: expected a probability in \[0, 1\) or none",
+        ),
         (["--matryoshka_dims", "384,-2"], r"matryoshka_dims: expected positive integers"),
         (["--matryoshka_dims", "384,big"], r"matryoshka_dims: expected a list of integers"),
         (["--batch_size", "none"], r"batch_size: expected int, got 'none'"),
@@ -130,6 +134,12 @@ def test_unknown_yaml_key_via_build_config() -> None:
 def test_invalid_values_are_rejected(argv: list[str], message: str) -> None:
     with pytest.raises(DistillError, match=message):
         load_config(argv)
+
+
+def test_student_attention_dropout_defaults_to_off_and_none_keeps_the_models() -> None:
+    assert load_config([]).model.student_attention_dropout == 0.0
+    assert load_config(["--student_attention_dropout", "none"]).model.student_attention_dropout is None
+    assert load_config(["--student_attention_dropout", "0.1"]).model.student_attention_dropout == 0.1
 
 
 def test_gpu_training_options() -> None:

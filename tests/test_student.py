@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -111,6 +113,39 @@ def test_load_student_prunes_and_sets_length(tiny_models: dict[str, Path]) -> No
     last = encoder_layers(original)[3].state_dict()
     for name, value in encoder_layers(student)[0].state_dict().items():
         assert torch.equal(value, last[name])
+
+
+def test_attention_dropout_is_set_for_training_and_the_config_keeps_the_models_own(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    folder = tmp_path / "student"
+    shutil.copytree(tiny_models["student"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attention_probs_dropout_prob": 0.3}))
+    features = load_student(str(folder)).tokenize(sentences(4, seed=9))
+
+    def attention_dropouts(student: SentenceTransformer) -> list[float]:
+        return [layer.attention.self.dropout.p for layer in encoder_layers(student)]
+
+    def two_training_passes_agree(student: SentenceTransformer) -> bool:
+        student.train()  # the tiny model's hidden dropout is 0, so only attention dropout can differ
+        first, second = (student(dict(features))["sentence_embedding"] for _ in range(2))
+        return torch.equal(first, second)
+
+    own = load_student(str(folder))
+    assert attention_dropouts(own) == [0.3] * 4
+    assert not two_training_passes_agree(own)
+
+    student = load_student(str(folder), attention_dropout=0.0)
+    assert attention_dropouts(student) == [0.0] * 4
+    assert two_training_passes_agree(student)
+    backbone_config = student[0].auto_model.config
+    assert backbone_config.attention_probs_dropout_prob == 0.3  # the checkpoint's value, as exported
+    assert not hasattr(backbone_config, "attention_dropout")  # the other family's field is not left behind
+    student.save(str(tmp_path / "saved"))
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert saved["attention_probs_dropout_prob"] == 0.3 and "attention_dropout" not in saved
+    assert attention_dropouts(load_student(str(folder), attention_dropout=0.2)) == [0.2] * 4
 
 
 def test_pruning_to_more_layers_than_exist(tiny_models: dict[str, Path]) -> None:
