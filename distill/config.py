@@ -65,7 +65,7 @@ class ModelConfig:
     student_attention_dropout: float | None = _opt(
         default=0.0,
         help="Dropout on the student's attention probabilities while it trains (default 0: the fused attention "
-        "kernel, faster, less memory, a better demo student; 'none' keeps the model's own).",
+        "kernel: faster, less memory, the demo's quality unchanged; 'none' keeps the model's own).",
     )
     trust_remote_code: bool = _opt(
         default=False, help="Allow models that ship their own Python code to run it (off by default)."
