@@ -33,10 +33,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from distill.config import ModelConfig
+
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS_SCRIPT = Path(__file__).resolve().parent / "variants.py"
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
-ATTENTION_DROPOUT = 0.0  # the toolkit's default (--student_attention_dropout); the floor trains the same student
+# The toolkit's default --student_attention_dropout, read from its config: the floor trains the same student.
+ATTENTION_DROPOUT = ModelConfig().student_attention_dropout
 VERSIONED = ("torch", "transformers", "sentence-transformers", "accelerate", "datasets", "numpy")
 HAND_WRITTEN_MARKER = "<!-- hand-written below: bench/run.py rewrites only the bench:* blocks above it -->"
 BLOCKS = ("main", "memory", "scaling")
