@@ -18,12 +18,31 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[demo,test]"
 	touch $(STAMP)
 
-demo: $(STAMP)
-	$(BIN)/python -m distill.train --config configs/demo.yaml
+# tcmalloc keeps a CPU run's peak memory flat as the data grows (distill/allocator.py, docs/BENCHMARKS.md).
+# demo, quality and bench install it once where they can (root with apt-get) and preload it when present;
+# DISTILL_ALLOCATOR=glibc runs them on the system allocator. The tests do not need it.
+ALLOCATOR := $(VENV)/.allocator
+PRELOAD = preload="$$($(BIN)/python -m distill.allocator)" && LD_PRELOAD="$$preload"
+
+$(ALLOCATOR): $(STAMP)
+	@if [ -z "$$($(BIN)/python -c 'from distill.allocator import find_tcmalloc; print(find_tcmalloc() or "")')" ]; then \
+	    if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	        echo "installing tcmalloc (Debian package libtcmalloc-minimal4) for a flat peak memory on CPU"; \
+	        apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1 \
+	            || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1) \
+	            || echo "note: could not install libtcmalloc-minimal4; running on glibc malloc"; \
+	    else \
+	        echo "note: tcmalloc not found; install libtcmalloc-minimal4 (or gperftools) for a flat peak memory on CPU"; \
+	    fi; \
+	fi
+	touch $@
+
+demo: $(ALLOCATOR)
+	$(PRELOAD) $(BIN)/python -m distill.train --config configs/demo.yaml
 
 # distill vs sentence-transformers' own recipe on the demo, side by side; writes docs/QUALITY.md (~15 min)
-quality: $(STAMP)
-	$(BIN)/python bench/quality.py --config configs/demo.yaml
+quality: $(ALLOCATOR)
+	$(PRELOAD) $(BIN)/python bench/quality.py --config configs/demo.yaml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
@@ -34,7 +53,7 @@ lint: $(STAMP)
 
 # The toolkit against sentence-transformers' recipe and a bare loop, plus --memory and --scaling
 # (about 1 h 15 min on 2 CPU cores; run it on a quiet machine). Writes docs/BENCHMARKS.md.
-bench: $(STAMP)
+bench: $(ALLOCATOR)
 	$(BIN)/python bench/run.py --all $(BENCH_FLAGS)
 
 # The same student work on a CUDA GPU (mpnet student, bf16): floor variants, then toolkit vs peer vs floor.

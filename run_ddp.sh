@@ -51,6 +51,9 @@ if ((gpus > 0)); then
 else
     echo "note: no CUDA GPU found: running $num_gpus CPU process(es) over gloo; this brings no speed-up" >&2
     export ACCELERATE_USE_CPU=true
+    # tcmalloc when installed: a flat peak memory on CPU (distill/allocator.py; DISTILL_ALLOCATOR=glibc to opt out)
+    preload="$("$python" -m distill.allocator)"
+    export LD_PRELOAD="$preload"
 fi
 if ((num_gpus > 1)); then launch+=(--multi_gpu); fi
 

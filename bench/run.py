@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from distill.allocator import find_tcmalloc, preload_value
 from distill.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,9 +100,12 @@ class Process:
     result: dict = field(default_factory=dict)
 
 
-def run_process(command: list[str], log: Path) -> Process:
-    """Run `command` to the end; its wall time and its own peak RSS (the kernel's ru_maxrss of that child)."""
-    env = dict(os.environ)
+def run_process(command: list[str], log: Path, preload: str) -> Process:
+    """Run `command` to the end; its wall time and its own peak RSS (the kernel's ru_maxrss of that child).
+
+    `preload` is the child's LD_PRELOAD: its heap allocator ("" for glibc's malloc).
+    """
+    env = dict(os.environ, LD_PRELOAD=preload)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("TQDM_DISABLE", "1")
@@ -124,7 +128,7 @@ def run_variant(variant: str, spec: dict, folder: Path) -> Process:
     spec_path, result_path = folder / "spec.json", folder / "result.json"
     spec_path.write_text(json.dumps({**spec, "out_dir": str(folder)}, indent=2))
     command = [sys.executable, str(VARIANTS_SCRIPT), variant, str(spec_path), str(result_path)]
-    process = run_process(command, folder / "log.txt")
+    process = run_process(command, folder / "log.txt", spec["preload"])
     process.result = json.loads(result_path.read_text())
     return process
 
@@ -159,8 +163,10 @@ def toolkit_command(spec: dict, output_dir: Path, cache_dir: Path, export: bool)
 
 
 def run_toolkit(spec: dict, folder: Path, cache_dir: Path, export: bool) -> Process:
-    process = run_process(toolkit_command(spec, folder, cache_dir, export), folder / "log.txt")
+    process = run_process(toolkit_command(spec, folder, cache_dir, export), folder / "log.txt", spec["preload"])
     results = json.loads((folder / "results.json").read_text())
+    if results["heap_allocator"] != spec["allocator"]:
+        raise BenchError(f"the toolkit ran on {results['heap_allocator']}, not on {spec['allocator']} as asked")
     phase = results["phases"]["phase1"]
     process.result = {
         "teacher_seconds": phase["teacher_seconds"],
@@ -194,6 +200,8 @@ def base_spec(args: argparse.Namespace, workdir: Path, samples: int) -> dict:
         "texts_file": str(texts_file),
         "texts_how": how,
         "eval_file": str(workdir / "eval.json"),
+        "allocator": args.allocator,  # every process of the run: peer, toolkit and floor alike
+        "preload": args.preloads[args.allocator],
     }
 
 
@@ -237,18 +245,22 @@ def run_main(args: argparse.Namespace, sizes: dict, workdir: Path) -> dict:
     return {"spec": spec, "teacher": teacher, "runs": runs}
 
 
-def run_sweep(args: argparse.Namespace, sizes: tuple[int, ...], workdir: Path, name: str) -> dict:
-    """The toolkit, cold, at each size (`--sweep_repeats` times): teacher and training time, peak RSS."""
+def run_sweep(
+    args: argparse.Namespace, sizes: tuple[int, ...], workdir: Path, name: str, allocators: tuple[str, ...]
+) -> dict:
+    """The toolkit, cold, at each size (`--sweep_repeats` times) on each allocator: time and peak RSS."""
     rows = []
-    for samples in sizes:
-        spec = base_spec(args, workdir, samples)
-        found = []
-        for repeat in range(args.sweep_repeats):
-            folder = workdir / f"{samples}-{repeat}"
-            shutil.rmtree(folder, ignore_errors=True)
-            log(f"{name}: toolkit, cold, {samples:,} samples (run {repeat + 1}/{args.sweep_repeats})")
-            found.append(run_toolkit(spec, folder, folder / "teacher-cache", export=False))
-        rows.append({"samples": samples, "how": spec["texts_how"], "runs": found})
+    for allocator in allocators:
+        for samples in sizes:
+            spec = base_spec(args, workdir, samples)
+            spec.update(allocator=allocator, preload=args.preloads[allocator])
+            found = []
+            for repeat in range(args.sweep_repeats):
+                folder = workdir / f"{allocator}-{samples}-{repeat}"
+                shutil.rmtree(folder, ignore_errors=True)
+                log(f"{name}: toolkit, cold, {allocator}, {samples:,} samples (run {repeat + 1}/{args.sweep_repeats})")
+                found.append(run_toolkit(spec, folder, folder / "teacher-cache", export=False))
+            rows.append({"samples": samples, "how": spec["texts_how"], "allocator": allocator, "runs": found})
     return {"rows": rows}
 
 
@@ -319,7 +331,12 @@ def _version(name: str) -> str:
         return "not installed"
 
 
-def header(args: argparse.Namespace, started: float, loads: tuple[tuple[float, ...], tuple[float, ...]]) -> list[str]:
+def header(
+    args: argparse.Namespace,
+    started: float,
+    loads: tuple[tuple[float, ...], tuple[float, ...]],
+    allocators: tuple[str, ...],
+) -> list[str]:
     when = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
     lines = [
         f"Measured {when} in {(time.time() - started) / 60:.1f} min with:",
@@ -329,6 +346,11 @@ def header(args: argparse.Namespace, started: float, loads: tuple[tuple[float, .
         "```",
         "",
         *machine(),
+        "- Heap allocator (LD_PRELOAD) of every process: "
+        + "; ".join(
+            f"{a} ({args.preloads[a]})" if args.preloads[a] else f"{a} (malloc, nothing preloaded)" for a in allocators
+        )
+        + f". `make` and `run_ddp.sh` preload {'tcmalloc' if 'tcmalloc' in args.preloads else 'nothing'} here.",
         f"- Load average (1, 5, 15 min) at the start {_loads(loads[0])}, at the end {_loads(loads[1])}: "
         "anything else running on the cores shows up here and in the spread.",
     ]
@@ -441,24 +463,29 @@ def memory_block(args: argparse.Namespace, found: dict, head: list[str]) -> str:
         "",
         f"The toolkit, cold cache (teacher encoding and training in one process), phase 1 only; {_runs_label(args)}.",
         "",
-        "| samples | texts | peak RSS MiB | teacher s | training s | process wall s |",
-        "|---|---|---|---|---|---|",
+        "| heap allocator | samples | texts | peak RSS MiB | teacher s | training s | process wall s |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         r = row["runs"]
         lines.append(
-            f"| {row['samples']:,} | {row['how']} | {median_range([p.peak_rss_mib for p in r], 0)} "
+            f"| {row['allocator']} | {row['samples']:,} | {row['how']} "
+            f"| {median_range([p.peak_rss_mib for p in r], 0)} "
             f"| {median_range([p.result['teacher_seconds'] for p in r])} "
             f"| {median_range([p.result['train_seconds'] for p in r])} | {median_range([p.wall_seconds for p in r])} |"
         )
-    small = statistics.median(p.peak_rss_mib for p in rows[0]["runs"])
-    large = statistics.median(p.peak_rss_mib for p in rows[-1]["runs"])
-    growth = large / small - 1
-    lines += [
-        "",
-        f"Peak RSS grows by {growth:+.1%} for {rows[-1]['samples'] / rows[0]['samples']:.0f}x the data "
-        f"(target: less than +10%): {'met' if growth < 0.10 else 'NOT met'}.",
-    ]
+    lines.append("")
+    for allocator in dict.fromkeys(row["allocator"] for row in rows):
+        mine = [row for row in rows if row["allocator"] == allocator]
+        small = statistics.median(p.peak_rss_mib for p in mine[0]["runs"])
+        large = statistics.median(p.peak_rss_mib for p in mine[-1]["runs"])
+        growth = large / small - 1
+        launchers = " (what `make` and `run_ddp.sh` use here)" if allocator == args.allocator else ""
+        lines.append(
+            f"- {allocator}{launchers}: peak RSS grows by {growth:+.1%} for "
+            f"{mine[-1]['samples'] / mine[0]['samples']:.0f}x the data (target: less than +10%): "
+            f"{'met' if growth < 0.10 else 'NOT met'}."
+        )
     return "\n".join(lines)
 
 
@@ -542,6 +569,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--scaling_sizes", help="comma-separated sample counts for --scaling (default 1000,4000,16000,64000)"
     )
+    parser.add_argument(
+        "--allocator",
+        choices=("auto", "glibc", "tcmalloc"),
+        default="auto",
+        help="heap allocator (LD_PRELOAD) of every process; auto: what make and run_ddp.sh use, tcmalloc when "
+        "installed (DISTILL_ALLOCATOR=glibc turns it off); --memory then measures glibc as well",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that every variant runs")
     parser.add_argument(
         "--out",
@@ -554,6 +588,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--repeats and --sweep_repeats must be at least 1")
     if args.all:
         args.main = args.memory = args.scaling = True
+    tcmalloc = find_tcmalloc()
+    args.preloads = {"glibc": "", **({"tcmalloc": tcmalloc} if tcmalloc else {})}
+    args.memory_allocators = (args.allocator,)
+    if args.allocator == "auto":
+        try:
+            launchers = preload_value()
+        except ValueError as e:
+            parser.error(str(e))
+        args.allocator = "tcmalloc" if "tcmalloc" in launchers else "glibc"
+        args.memory_allocators = tuple(args.preloads)
+    elif args.allocator not in args.preloads:
+        parser.error(
+            "--allocator tcmalloc: no libtcmalloc_minimal found; install it (apt-get install libtcmalloc-minimal4)"
+        )
     if not (args.memory or args.scaling):
         args.main = True
     args.command = shlex.join(["python", "bench/run.py", *argv])
@@ -575,11 +623,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for mode in modes:
             started, load_start = time.time(), os.getloadavg()
+            allocators = args.memory_allocators if mode == "memory" else (args.allocator,)
             if mode == "main":
                 found = run_main(args, sizes, workdir / "main")
             else:
-                found = run_sweep(args, sizes[mode], workdir / mode, mode)
-            head = header(args, started, (load_start, os.getloadavg()))
+                found = run_sweep(args, sizes[mode], workdir / mode, mode, allocators)
+            head = header(args, started, (load_start, os.getloadavg()), allocators)
             render = {"main": main_block, "memory": memory_block, "scaling": scaling_block}[mode]
             blocks[mode] = render(args, found, head)
             write_report(args.out, {mode: blocks[mode]})  # each finished mode is kept even if a later one fails

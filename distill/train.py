@@ -32,6 +32,7 @@ from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataPara
 from accelerate.logging import get_logger
 from accelerate.utils import DDPCommunicationHookType, TorchDynamoPlugin, broadcast_object_list, set_seed
 
+from distill.allocator import heap_allocator
 from distill.batching import Phase1Batches, Phase2Batches, TokenizedTexts, make_loader
 from distill.checkpoint import PHASES, TrainingState, find_checkpoint, read_state
 from distill.config import Config, dump_config, load_config, to_flat_dict
@@ -464,6 +465,13 @@ def run(config: Config) -> dict:
     results: dict = state.results or {"mode": "projection" if model.projection is not None else "matryoshka"}
     state.results = results  # checkpoints carry the evaluations made so far
     results["world_size"] = world
+    results["heap_allocator"] = heap_allocator()
+    if accelerator.device.type == "cpu" and results["heap_allocator"] == "glibc":
+        logger.info(
+            "heap allocator: glibc malloc, whose peak memory creeps up with the steps on a CPU; for a flat peak "
+            "install libtcmalloc-minimal4 and launch through make or run_ddp.sh (see distill/allocator.py)",
+            main_process_only=True,
+        )
     if evaluation is not None and "teacher" not in results:
         results["teacher"] = evaluate_teacher(evaluation)
         results["student_before"] = evaluate_student(accelerator, model, evaluation, eval_batch, dims)

@@ -57,7 +57,8 @@ def release_freed_memory() -> None:
 
     Batches of varying shapes leave freed activation blocks scattered through the heap, and the resident
     size ratchets up with the number of distinct shapes seen; trimming returns those pages for a few page
-    faults when they are reused (serving large blocks by mmap instead cost about 30% of the speed).
+    faults when they are reused (serving large blocks by mmap instead cost about 30% of the speed). Under
+    tcmalloc, which the launchers preload when it is installed (distill/allocator.py), it trims nothing.
     """
     gc.collect()
     if sys.platform.startswith("linux"):

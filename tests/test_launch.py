@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import tiny_run_flags
+from distill.allocator import find_tcmalloc
 from distill.errors import DistillError
 from distill.launch import RELAUNCHED, maybe_relaunch, relaunch_command, strip_flag
 
@@ -73,6 +74,8 @@ def test_run_ddp_without_gpus_runs_cpu_processes(tiny_models, tiny_data, tmp_pat
     out = tmp_path / "run_ddp"
     flags = tiny_run_flags(tiny_models, tiny_data, out, skip_phase2=True, eval_data="none")
     env = dict(os.environ, PYTHON=sys.executable, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    env.pop("DISTILL_ALLOCATOR", None)
+    env.pop("LD_PRELOAD", None)
     done = subprocess.run(
         ["bash", str(REPO / "run_ddp.sh"), "2", "False", *flags],
         capture_output=True,
@@ -84,6 +87,8 @@ def test_run_ddp_without_gpus_runs_cpu_processes(tiny_models, tiny_data, tmp_pat
     assert "no CUDA GPU found" in done.stderr
     results = json.loads((out / "results.json").read_text())
     assert results["world_size"] == 2 and results["mode"] == "matryoshka"
+    # LD_PRELOAD reached the rank through accelerate launch
+    assert results["heap_allocator"] == ("tcmalloc" if find_tcmalloc() else "glibc")
 
 
 RESTARTED_WORKER = """

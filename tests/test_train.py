@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer
 
 from conftest import reset_accelerate, tiny_run_flags
+from distill.allocator import heap_allocator
 from distill.errors import DistillError
 from distill.train import main
 
@@ -54,6 +55,7 @@ def test_tiny_run_projection_mode_end_to_end(tiny_models, tiny_data, tmp_path):
     assert main(tiny_run_flags(tiny_models, tiny_data, out, save_to_artifacts=True)) == 0
     results = results_of(out)
     assert results["world_size"] == 1 and results["mode"] == "projection"
+    assert results["heap_allocator"] == heap_allocator()
     for row in ("teacher", "student_before", "after_phase1", "student_after"):
         assert {"ndcg@10", "mrr@10"} <= set(results[row])
     for phase in ("phase1", "phase2"):
