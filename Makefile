@@ -52,7 +52,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check distill tests bench
 
 # The toolkit against sentence-transformers' recipe and a bare loop, plus --memory and --scaling
-# (about 1 h 15 min on 2 CPU cores; run it on a quiet machine). Writes docs/BENCHMARKS.md.
+# (about 1 h on 2 CPU cores on tcmalloc; run it on a quiet machine). Writes docs/BENCHMARKS.md.
 bench: $(ALLOCATOR)
 	$(BIN)/python bench/run.py --all $(BENCH_FLAGS)
 

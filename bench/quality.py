@@ -211,6 +211,8 @@ def _fmt(value: object) -> str:
 
 
 def section(name: str, toolkit: dict, peers: list[dict], command: str, toolkit_seconds: float) -> str:
+    from distill.allocator import heap_allocator
+
     teacher = toolkit["teacher"]["ndcg@10"]
     after = toolkit["student_after"]
     projection = toolkit["mode"] == "projection"
@@ -242,6 +244,8 @@ def section(name: str, toolkit: dict, peers: list[dict], command: str, toolkit_s
         f"Command: `{command}`  ",
         f"Machine: {machine()}  ",
         f"Versions: {versions()}  ",
+        f"Heap allocator: distill {toolkit.get('heap_allocator', 'not recorded')}, peer {heap_allocator()} "
+        "(`make quality` preloads tcmalloc when installed)  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
         + (
             f"the toolkit run took {toolkit_seconds:.0f} s in all (data, teacher cache, evaluations, both phases)."
