@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from distill.allocator import find_tcmalloc, preload_value
+from distill.allocator import allocator_named_in, find_tcmalloc, preload_value
 from distill.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -350,7 +350,7 @@ def header(
         + "; ".join(
             f"{a} ({args.preloads[a]})" if args.preloads[a] else f"{a} (malloc, nothing preloaded)" for a in allocators
         )
-        + f". `make` and `run_ddp.sh` preload {'tcmalloc' if 'tcmalloc' in args.preloads else 'nothing'} here.",
+        + f". `make` and `run_ddp.sh` preload {'nothing' if args.launchers == 'glibc' else args.launchers} here.",
         f"- Load average (1, 5, 15 min) at the start {_loads(loads[0])}, at the end {_loads(loads[1])}: "
         "anything else running on the cores shows up here and in the spread.",
     ]
@@ -480,7 +480,7 @@ def memory_block(args: argparse.Namespace, found: dict, head: list[str]) -> str:
         small = statistics.median(p.peak_rss_mib for p in mine[0]["runs"])
         large = statistics.median(p.peak_rss_mib for p in mine[-1]["runs"])
         growth = large / small - 1
-        launchers = " (what `make` and `run_ddp.sh` use here)" if allocator == args.allocator else ""
+        launchers = " (what `make` and `run_ddp.sh` use here)" if allocator == args.launchers else ""
         lines.append(
             f"- {allocator}{launchers}: peak RSS grows by {growth:+.1%} for "
             f"{mine[-1]['samples'] / mine[0]['samples']:.0f}x the data (target: less than +10%): "
@@ -590,13 +590,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.main = args.memory = args.scaling = True
     tcmalloc = find_tcmalloc()
     args.preloads = {"glibc": "", **({"tcmalloc": tcmalloc} if tcmalloc else {})}
+    try:  # the allocator `make` and `run_ddp.sh` would preload in this environment
+        args.launchers = allocator_named_in(preload_value()) or "glibc"
+    except ValueError as e:
+        parser.error(str(e))
     args.memory_allocators = (args.allocator,)
     if args.allocator == "auto":
-        try:
-            launchers = preload_value()
-        except ValueError as e:
-            parser.error(str(e))
-        args.allocator = "tcmalloc" if "tcmalloc" in launchers else "glibc"
+        args.allocator = args.launchers if args.launchers in args.preloads else "glibc"
         args.memory_allocators = tuple(args.preloads)
     elif args.allocator not in args.preloads:
         parser.error(

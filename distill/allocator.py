@@ -24,6 +24,11 @@ PRELOADABLE = {"tcmalloc": ("tcmalloc_minimal", "tcmalloc"), "jemalloc": ("jemal
 CHOICES = ("tcmalloc", "glibc")  # DISTILL_ALLOCATOR values
 
 
+def allocator_named_in(libraries: str) -> str | None:
+    """The preloadable allocator ("tcmalloc", "jemalloc") among `libraries` (paths or sonames), or None."""
+    return next((name for name in PRELOADABLE if f"lib{name}" in libraries), None)
+
+
 def heap_allocator(maps: str | None = None) -> str:
     """The allocator serving this process's malloc: "tcmalloc", "jemalloc", "glibc", or "system" off Linux.
 
@@ -36,10 +41,7 @@ def heap_allocator(maps: str | None = None) -> str:
             maps = Path("/proc/self/maps").read_text()
         except OSError:
             return "system"
-    for name in PRELOADABLE:
-        if f"lib{name}" in maps:
-            return name
-    return "glibc"
+    return allocator_named_in(maps) or "glibc"
 
 
 def find_tcmalloc() -> str | None:
@@ -60,8 +62,7 @@ def preload_value(environ: dict[str, str] | None = None) -> str:
         raise ValueError(
             f"DISTILL_ALLOCATOR must be one of {', '.join(CHOICES)}, got {choice!r}; unset it for tcmalloc"
         )
-    already = any(f"lib{name}" in current for name in PRELOADABLE)
-    library = find_tcmalloc() if choice == "tcmalloc" and not already else None
+    library = find_tcmalloc() if choice == "tcmalloc" and allocator_named_in(current) is None else None
     return " ".join(part for part in (library, current) if part)
 
 
