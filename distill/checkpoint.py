@@ -3,6 +3,8 @@
 A checkpoint is `<output_dir>/checkpoints/checkpoint-<phase>-<step>/` holding
 - Accelerate's `save_state`: student + projection (safetensors), optimizer, scheduler, gradient scaler;
 - `rng_state_<rank>.safetensors`: each process's torch (and CUDA) generator states;
+- `phase_state.safetensors` (when the phase has any): tensors the loop carries between steps, the same on
+  every rank, such as phase 2's cross-batch passage memory;
 - `state.json`: phase, epoch, batches done in the epoch, optimizer steps, the losses and results so far,
   and the identity of the run (teacher, student, mode), checked on resume.
 Data order needs no saved state: the batch sampler is a pure function of (seed, epoch), and resuming
@@ -32,6 +34,7 @@ from distill.errors import DistillError
 PHASES = ("phase1", "phase2")
 NAME = re.compile(r"^checkpoint-(phase[12])-(\d+)$")
 STATE_FILE = "state.json"
+EXTRA_FILE = "phase_state.safetensors"
 
 
 @dataclass
@@ -104,8 +107,17 @@ def read_state(path: Path, identity: dict) -> TrainingState:
     return state
 
 
-def save_checkpoint(accelerator: Accelerator, output_dir: str | os.PathLike, state: TrainingState, limit: int) -> Path:
-    """Collective: every process calls it. Written to a temporary folder, then renamed; keeps the last `limit`."""
+def save_checkpoint(
+    accelerator: Accelerator,
+    output_dir: str | os.PathLike,
+    state: TrainingState,
+    limit: int,
+    extra: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Collective: every process calls it. Written to a temporary folder, then renamed; keeps the last `limit`.
+
+    `extra`: tensors that are the same on every rank (the main process writes them), given back by `load_checkpoint`.
+    """
     root = checkpoint_root(output_dir)
     final = root / f"checkpoint-{state.phase}-{state.optimizer_steps:07d}"
     staging = root / f".tmp-{final.name}"
@@ -118,6 +130,8 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str | os.PathLike, sta
     if torch.cuda.is_available():
         rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     save_file(rng, str(staging / f"rng_state_{accelerator.process_index}.safetensors"))
+    if extra and accelerator.is_main_process:
+        save_file({k: v.detach().cpu().contiguous() for k, v in extra.items()}, str(staging / EXTRA_FILE))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (staging / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))  # last: marks it complete
@@ -130,8 +144,11 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str | os.PathLike, sta
     return final
 
 
-def load_checkpoint(accelerator: Accelerator, path: Path) -> None:
-    """Collective: restore the prepared model, optimizer, scheduler and scaler, and this process's RNG."""
+def load_checkpoint(accelerator: Accelerator, path: Path) -> dict[str, torch.Tensor]:
+    """Collective: restore the prepared model, optimizer, scheduler and scaler, and this process's RNG.
+
+    Returns the checkpoint's `extra` tensors (on the CPU; empty if it has none).
+    """
     accelerator.load_state(str(path))
     rng_file = path / f"rng_state_{accelerator.process_index}.safetensors"
     if rng_file.is_file():
@@ -139,3 +156,5 @@ def load_checkpoint(accelerator: Accelerator, path: Path) -> None:
         torch.set_rng_state(rng["cpu"])
         if torch.cuda.is_available():
             torch.cuda.set_rng_state_all([rng[k] for k in sorted(rng) if k.startswith("cuda")])
+    extra_file = path / EXTRA_FILE
+    return load_file(str(extra_file)) if extra_file.is_file() else {}

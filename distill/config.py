@@ -141,6 +141,11 @@ class TrainingConfig:
     cosine_weight: float = _opt(default=1.0, help="Weight of the (1 - cosine) alignment loss.")
     mse_weight: float = _opt(default=1.0, help="Weight of the squared-distance alignment loss.")
     kl_weight: float = _opt(default=1.0, help="Phase-2 weight of the in-batch similarity KL loss.")
+    kl_memory_steps: int = _opt(
+        default=0,
+        help="Phase 2: each query's KL softmax also ranks the passages of the last N optimizer steps (student vectors "
+        "detached, no extra forward pass): N+1 times the candidates. 0: the batch's own passages only.",
+    )
     phase1_kl_weight: float = _opt(
         default=0.0,
         help="Phase-1 weight of an in-batch similarity KL: each text's softmax over the batch's other texts.",
@@ -441,7 +446,15 @@ def validate(config: Config) -> list[str]:
         problems.append(
             f"projection_lr_scale: expected a number greater than 0, got {config.training.projection_lr_scale}"
         )
-    for name in ("weight_decay", "max_grad_norm", "cosine_weight", "mse_weight", "kl_weight", "phase1_kl_weight"):
+    for name in (
+        "weight_decay",
+        "max_grad_norm",
+        "cosine_weight",
+        "mse_weight",
+        "kl_weight",
+        "phase1_kl_weight",
+        "kl_memory_steps",
+    ):
         if getattr(config.training, name) < 0:
             problems.append(f"{name}: expected a number >= 0, got {getattr(config.training, name)}")
     dims = config.model.matryoshka_dims

@@ -360,6 +360,7 @@ def phase_settings(
         projection_lr_scale=t.projection_lr_scale,
         backbone_frozen_steps=t.projection_warmup_steps if phase == "phase1" and config.model.use_projection else 0,
         teacher_basis=None if basis is None else torch.from_numpy(basis),
+        kl_memory_steps=t.kl_memory_steps,
     )
 
 

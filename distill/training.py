@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -50,6 +51,56 @@ class PhaseSettings:
     projection_lr_scale: float = 1.0
     backbone_frozen_steps: int = 0  # optimizer steps at the start in which only the projection learns
     teacher_basis: torch.Tensor | None = None  # MRL: (teacher_dim, student_dim), applied before truncation
+    kl_memory_steps: int = 0  # phase 2: earlier optimizer steps whose passages join the similarity KL
+
+
+class PassageMemory:
+    """Phase 2's cross-batch memory: the passages of the last N optimizer steps as extra candidates in the KL.
+
+    Each query's softmax then ranks its batch's passages plus these, so the student learns the teacher's
+    ranking of (N + 1) x the batch at no extra forward pass (cross-batch memory, Wang et al. 2020). The
+    student's vectors are kept detached (made by weights at most N steps old), the teacher's are exact. Every
+    rank keeps the same gathered rows, so every rank scores the same global softmax. A batch's passages are
+    staged, and join the memory only once its optimizer step is taken (`commit`): micro-batches of one
+    accumulation window do not see each other, and a checkpoint (`state_dict`) never holds the passages of a
+    step that was not taken, such as one whose loss was not finite.
+    """
+
+    def __init__(self, steps: int):
+        self.entries: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=max(0, steps))
+        self.staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def extend(self, student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(student, teacher) passages followed by the remembered ones, oldest first."""
+        if not self.entries:
+            return student, teacher
+        return (
+            torch.cat([student, *(s.to(student.dtype) for s, _ in self.entries)]),
+            torch.cat([teacher, *(t.to(teacher.dtype) for _, t in self.entries)]),
+        )
+
+    def stage(self, student: torch.Tensor, teacher: torch.Tensor) -> None:
+        if self.entries.maxlen:
+            self.staged.append((student.detach(), teacher.detach()))
+
+    def commit(self) -> None:
+        """The optimizer step was taken: the staged passages become candidates for the next steps."""
+        if self.staged:  # one entry per step, whatever the number of accumulated micro-batches
+            self.entries.append(tuple(torch.cat(side) for side in zip(*self.staged)))
+        self.staged = []
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {
+            f"{side}.{i}": pair[j].contiguous()
+            for i, pair in enumerate(self.entries)
+            for j, side in enumerate(("student", "teacher"))
+        }
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+        self.entries.clear()
+        self.staged = []
+        for i in range(len(tensors) // 2):
+            self.entries.append((tensors[f"student.{i}"].to(device), tensors[f"teacher.{i}"].to(device)))
 
 
 def release_freed_memory() -> None:
@@ -135,9 +186,13 @@ def gather_with_grad(accelerator: Accelerator, local: torch.Tensor) -> torch.Ten
 
 
 def phase_loss(
-    accelerator: Accelerator, model: torch.nn.Module, batch: dict, settings: PhaseSettings
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    batch: dict,
+    settings: PhaseSettings,
+    memory: PassageMemory | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss to backpropagate, loss to report) for one batch of either phase."""
+    """(loss to backpropagate, loss to report) for one batch of either phase; phase 2 updates `memory`."""
     dims, weights = settings.matryoshka_dims, settings.weights
     if settings.teacher_basis is not None:  # the teacher's vectors in the basis the student is trained in
         batch = {k: v @ settings.teacher_basis if k.startswith("teacher") else v for k, v in batch.items()}
@@ -156,14 +211,21 @@ def phase_loss(
         alignment_loss(queries, batch["teacher_queries"], weights, dims)
         + alignment_loss(passages, batch["teacher_passages"], weights, dims)
     )
+    student_passages = gather_with_grad(accelerator, passages)
+    teacher_passages = accelerator.gather(batch["teacher_passages"].contiguous())
+    candidates = (student_passages, teacher_passages)
+    if memory is not None:
+        candidates = memory.extend(*candidates)
     similarity = similarity_kl_loss(
         gather_with_grad(accelerator, queries),
-        gather_with_grad(accelerator, passages),
+        candidates[0],
         accelerator.gather(batch["teacher_queries"].contiguous()),
-        accelerator.gather(batch["teacher_passages"].contiguous()),
+        candidates[1],
         weights,
         dims,
     )
+    if memory is not None:
+        memory.stage(student_passages, teacher_passages)
     # DDP averages gradients over ranks; the global similarity loss is computed on every rank and each
     # rank's gradient covers only its own rows, so scaling by the world size makes the average the sum
     # (phase 1's text-to-text similarity above is scaled the same way).
@@ -252,8 +314,16 @@ def train_phase(
         optimizer, int(settings.warmup_ratio * total_steps), total_steps, settings.backbone_frozen_steps
     )
     wrapped, optimizer, prepared_loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    memory = PassageMemory(settings.kl_memory_steps) if settings.name == "phase2" else None
+
+    def checkpoint() -> Path:
+        extra = memory.state_dict() if memory is not None else None
+        return save_checkpoint(accelerator, checkpoints.output_dir, state, checkpoints.limit, extra)
+
     if resume is not None:
-        load_checkpoint(accelerator, resume)
+        extra = load_checkpoint(accelerator, resume)
+        if memory is not None:
+            memory.load_state_dict(extra, accelerator.device)
         accelerator.step = state.accelerator_step  # keeps gradient-accumulation windows where they were
     else:
         state.start_phase(settings.name)
@@ -281,13 +351,13 @@ def train_phase(
         sampler.set_epoch(epoch)
         for batch in batches:
             with accelerator.accumulate(wrapped):
-                loss, reported = phase_loss(accelerator, wrapped, batch, settings)
+                loss, reported = phase_loss(accelerator, wrapped, batch, settings, memory)
                 accelerator.backward(loss)
                 global_loss, stop = batch_verdict(accelerator, reported, _Preemption.requested)
                 stop_requested = stop_requested or stop
                 if not math.isfinite(global_loss):  # before the optimizer step: the weights are still good
                     state.batches_done = window_start
-                    path = save_checkpoint(accelerator, checkpoints.output_dir, state, checkpoints.limit)
+                    path = checkpoint()
                     raise TrainingStopped(
                         f"non-finite loss ({global_loss}) in {settings.name} at optimizer step "
                         f"{state.optimizer_steps + 1} (epoch {epoch}); the checkpoint from before it is {path}; "
@@ -304,6 +374,8 @@ def train_phase(
             state.train_samples += sampler.batch_size
             if not accelerator.sync_gradients:
                 continue
+            if memory is not None:
+                memory.commit()
             mean_loss = sum(window_losses) / len(window_losses)
             window_losses.clear()
             window_start = state.batches_done
@@ -315,7 +387,7 @@ def train_phase(
             progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}", refresh=False)
             accelerator.log({f"{settings.name}/loss": mean_loss, f"{settings.name}/lr": scheduler.get_last_lr()[0]})
             if stop_requested:  # decided collectively (batch_verdict): every rank stops at the same step
-                path = save_checkpoint(accelerator, checkpoints.output_dir, state, checkpoints.limit)
+                path = checkpoint()
                 raise TrainingStopped(
                     f"stopped by SIGTERM in {settings.name} at optimizer step {state.optimizer_steps}; checkpoint "
                     f"saved to {path}; continue with --resume_from_checkpoint latest",
@@ -324,7 +396,7 @@ def train_phase(
             if evaluate is not None and eval_steps and state.optimizer_steps % eval_steps == 0:
                 evaluate(plain_model(accelerator, wrapped), state.optimizer_steps)  # collective: all ranks
             if checkpoints.every and state.optimizer_steps % checkpoints.every == 0:
-                save_checkpoint(accelerator, checkpoints.output_dir, state, checkpoints.limit)
+                checkpoint()
             if TRIM_EVERY and accelerator.device.type == "cpu" and state.optimizer_steps % TRIM_EVERY == 0:
                 release_freed_memory()
         state.batches_done = window_start = 0
