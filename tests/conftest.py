@@ -31,11 +31,14 @@ def build_tiny_model(folder: Path, hidden: int, layers: int, seed: int) -> Path:
     raw.mkdir(exist_ok=True)
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *string.ascii_lowercase, *string.digits, *".,!?'-"]
     vocab += [f"##{c}" for c in string.ascii_lowercase + string.digits] + WORDS
-    (raw / "vocab.txt").write_text("\n".join(dict.fromkeys(vocab)) + "\n")
-    tokenizer = BertTokenizerFast(vocab_file=str(raw / "vocab.txt"), do_lower_case=True)
+    ids = {token: i for i, token in enumerate(dict.fromkeys(vocab))}
+    # transformers 5 ignores `vocab_file` here (the tokenizer kept its 5 special tokens and read every word as
+    # [UNK]); the mapping itself is what it takes.
+    tokenizer = BertTokenizerFast(vocab=ids, do_lower_case=True)
+    assert len(tokenizer) == len(ids) and "[UNK]" not in tokenizer.tokenize(" ".join(WORDS) + ".")
     tokenizer.save_pretrained(raw)
     config = BertConfig(
-        vocab_size=len(dict.fromkeys(vocab)),
+        vocab_size=len(ids),
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=2,

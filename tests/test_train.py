@@ -183,12 +183,8 @@ def test_two_processes_match_one_process_with_twice_the_batch(tiny_models, tiny_
     """2 processes x batch 4 reach the weights of 1 process x batch 8, both phases, every loss, both modes.
 
     Phase 1 includes its in-batch similarity term, so its gather-with-gradient is covered as well as phase 2's,
-    and phase 2 keeps a cross-batch passage memory. Matryoshka mode runs without the PCA basis. With the basis,
-    the teacher's basis and the student's rotation are the same in both runs (to 1.5e-11), but on an AMD EPYC
-    40-70% of the bias elements take their Adam step the other way (with lr 1e-12), while almost no weight
-    does. Those gradients are apparently so small that their last bits, which depend on the shard sizes, set
-    their sign, and Adam's step has the same size whatever the gradient's. The runs end 0.012 apart. The test
-    passed with the basis on the Intel Xeon machines of earlier sessions. See the closing note of session 10.
+    and phase 2 keeps a cross-batch passage memory; in Matryoshka mode the teacher basis computed on the main
+    process reaches every process.
     """
     two, one = tmp_path / "two", tmp_path / "one"
     common = {
@@ -197,7 +193,7 @@ def test_two_processes_match_one_process_with_twice_the_batch(tiny_models, tiny_
         "phase1_kl_weight": 0.5,
         "kl_memory_steps": 2,
         "use_projection": use_projection,
-        "matryoshka_basis": "none",
+        "matryoshka_basis": "pca",
     }
     accelerate_launch(2, tiny_run_flags(tiny_models, tiny_data, two, batch_size=4, **common))
     accelerate_launch(1, tiny_run_flags(tiny_models, tiny_data, one, batch_size=8, **common))
@@ -207,8 +203,23 @@ def test_two_processes_match_one_process_with_twice_the_batch(tiny_models, tiny_
     start = load_file(str(Path(tiny_models["student"]) / "model.safetensors"))
     moved = max((weights_one[k] - start[k]).abs().max().item() for k in start if k in weights_one)
     assert moved > 1e-3  # training really changed the weights, so equality below is not trivial
-    worst = max((weights_two[k] - weights_one[k]).abs().max().item() for k in weights_one)
-    assert worst <= 1e-5, f"max abs weight difference {worst}"
+    # Not bit-equal: per-process batches of 4 against 8 change the last bits of the kernels' sums on some CPUs
+    # (AMD EPYC here; on the Intel Xeon of earlier sessions the runs were equal to 1e-5), and Adam, whose steps
+    # are about lr whatever the gradient's size, carries those into parameters with tiny gradients. Measured on
+    # the EPYC: the backbones end 0.09% of their training movement apart and every step's loss agrees within
+    # 2.1e-5; without the world-size scaling of the similarity loss they end 13% apart. The fitted projection,
+    # whose gradients start near zero, ends 4.4% of its norm apart either way, so it gets a looser bound.
+    backbone = [k for k in start if k in weights_one]
+    apart = sum((weights_two[k] - weights_one[k]).pow(2).sum().item() for k in backbone) ** 0.5
+    movement = sum((weights_one[k] - start[k]).pow(2).sum().item() for k in backbone) ** 0.5
+    assert apart <= 0.01 * movement, f"the backbones end {apart / movement:.2%} of their movement apart"
+    for key in (k for k in weights_one if k not in start):  # the projection or the frozen rotation
+        gap = (weights_two[key] - weights_one[key]).norm().item()
+        assert gap <= 0.1 * weights_one[key].norm().item(), f"{key}: {gap}"
+    for phase in ("phase1", "phase2"):
+        losses_two, losses_one = (results_of(out)["phases"][phase]["losses"] for out in (two, one))
+        assert len(losses_two) == len(losses_one) > 0
+        assert losses_two == pytest.approx(losses_one, abs=1e-4), phase
 
 
 @pytest.mark.multiprocess
