@@ -316,8 +316,9 @@ def test_cpu_batches_are_formed_by_token_count_not_characters(
 ) -> None:
     """On a CPU the forward pass is the cost: texts are sorted by exact token count, with no background thread."""
     seen = spy_on_map_sharded(monkeypatch)
-    # characters and tokens disagree: one long unbroken word is few tokens, short words are one token each
-    texts = ["a b c d e f g h i j", "abcdefghijklmnopqrstuvwxyz" * 2, *sentences(10, seed=3)]
+    # characters and tokens disagree: short words are one token each, and a word of over 100 characters is one
+    # [UNK] (WordPiece's max_input_chars_per_word)
+    texts = ["a b c d e f g h i j", "abcdefghijklmnopqrstuvwxyz" * 5, *sentences(10, seed=3)]
     cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache")
     vectors = cache.embeddings(texts, "document")
     tokenizer = cache.teacher.tokenizer
