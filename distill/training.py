@@ -190,9 +190,9 @@ def phase_loss(
     model: torch.nn.Module,
     batch: dict,
     settings: PhaseSettings,
-    memory: PassageMemory | None = None,
+    memory: PassageMemory,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss to backpropagate, loss to report) for one batch of either phase; phase 2 updates `memory`."""
+    """(loss to backpropagate, loss to report) for one batch of either phase; phase 2 stages into `memory`."""
     dims, weights = settings.matryoshka_dims, settings.weights
     if settings.teacher_basis is not None:  # the teacher's vectors in the basis the student is trained in
         batch = {k: v @ settings.teacher_basis if k.startswith("teacher") else v for k, v in batch.items()}
@@ -213,19 +213,16 @@ def phase_loss(
     )
     student_passages = gather_with_grad(accelerator, passages)
     teacher_passages = accelerator.gather(batch["teacher_passages"].contiguous())
-    candidates = (student_passages, teacher_passages)
-    if memory is not None:
-        candidates = memory.extend(*candidates)
+    candidate_passages, candidate_teacher = memory.extend(student_passages, teacher_passages)
     similarity = similarity_kl_loss(
         gather_with_grad(accelerator, queries),
-        candidates[0],
+        candidate_passages,
         accelerator.gather(batch["teacher_queries"].contiguous()),
-        candidates[1],
+        candidate_teacher,
         weights,
         dims,
     )
-    if memory is not None:
-        memory.stage(student_passages, teacher_passages)
+    memory.stage(student_passages, teacher_passages)
     # DDP averages gradients over ranks; the global similarity loss is computed on every rank and each
     # rank's gradient covers only its own rows, so scaling by the world size makes the average the sum
     # (phase 1's text-to-text similarity above is scaled the same way).
@@ -314,16 +311,13 @@ def train_phase(
         optimizer, int(settings.warmup_ratio * total_steps), total_steps, settings.backbone_frozen_steps
     )
     wrapped, optimizer, prepared_loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    memory = PassageMemory(settings.kl_memory_steps) if settings.name == "phase2" else None
+    memory = PassageMemory(settings.kl_memory_steps if settings.name == "phase2" else 0)  # 0: holds nothing
 
     def checkpoint() -> Path:
-        extra = memory.state_dict() if memory is not None else None
-        return save_checkpoint(accelerator, checkpoints.output_dir, state, checkpoints.limit, extra)
+        return save_checkpoint(accelerator, checkpoints.output_dir, state, checkpoints.limit, memory.state_dict())
 
     if resume is not None:
-        extra = load_checkpoint(accelerator, resume)
-        if memory is not None:
-            memory.load_state_dict(extra, accelerator.device)
+        memory.load_state_dict(load_checkpoint(accelerator, resume), accelerator.device)
         accelerator.step = state.accelerator_step  # keeps gradient-accumulation windows where they were
     else:
         state.start_phase(settings.name)
@@ -374,8 +368,7 @@ def train_phase(
             state.train_samples += sampler.batch_size
             if not accelerator.sync_gradients:
                 continue
-            if memory is not None:
-                memory.commit()
+            memory.commit()
             mean_loss = sum(window_losses) / len(window_losses)
             window_losses.clear()
             window_start = state.batches_done
