@@ -146,6 +146,12 @@ class TrainingConfig:
         help="Phase 2: each query's KL softmax also ranks the passages of the last N optimizer steps (student vectors "
         "detached, no extra forward pass): N+1 times the candidates. 0: the batch's own passages only.",
     )
+    ema_decay: float = _opt(
+        default=0.0,
+        help="Each phase ends with an exponential moving average of its weights over its optimizer steps, started at "
+        "the phase's starting weights (which keep a share of decay**steps); 0.99 averages about the last 100 steps. "
+        "0: off, the last step's weights.",
+    )
     phase1_kl_weight: float = _opt(
         default=0.0,
         help="Phase-1 weight of an in-batch similarity KL: each text's softmax over the batch's other texts.",
@@ -442,6 +448,10 @@ def validate(config: Config) -> list[str]:
         )
     if not 0 <= config.training.warmup_ratio < 1:
         problems.append(f"warmup_ratio: expected a fraction in [0, 1), got {config.training.warmup_ratio}")
+    if not 0 <= config.training.ema_decay < 1:
+        problems.append(
+            f"ema_decay: expected a decay in [0, 1) such as 0.99 (0 turns averaging off), got {config.training.ema_decay}"
+        )
     if not config.training.projection_lr_scale > 0:
         problems.append(
             f"projection_lr_scale: expected a number greater than 0, got {config.training.projection_lr_scale}"

@@ -361,6 +361,7 @@ def phase_settings(
         backbone_frozen_steps=t.projection_warmup_steps if phase == "phase1" and config.model.use_projection else 0,
         teacher_basis=None if basis is None else torch.from_numpy(basis),
         kl_memory_steps=t.kl_memory_steps,
+        ema_decay=t.ema_decay,
     )
 
 

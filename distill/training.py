@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -52,6 +53,7 @@ class PhaseSettings:
     backbone_frozen_steps: int = 0  # optimizer steps at the start in which only the projection learns
     teacher_basis: torch.Tensor | None = None  # MRL: (teacher_dim, student_dim), applied before truncation
     kl_memory_steps: int = 0  # phase 2: earlier optimizer steps whose passages join the similarity KL
+    ema_decay: float = 0.0  # > 0: the phase ends with an exponential moving average of its weights
 
 
 class PassageMemory:
@@ -101,6 +103,43 @@ class PassageMemory:
         self.staged = []
         for i in range(len(tensors) // 2):
             self.entries.append((tensors[f"student.{i}"].to(device), tensors[f"teacher.{i}"].to(device)))
+
+
+class WeightAverage:
+    """An exponential moving average of the model's weights over a phase's optimizer steps (Polyak averaging).
+
+    torch's `AveragedModel` keeps the averaged copy and updates it with one fused lerp per device and dtype.
+    The average starts at the phase's starting weights, so after T steps those keep a weight of decay**T: in
+    phase 2 the average stays partly anchored at what phase 1 learned. The phase ends with the average
+    (`apply_to`), and periodic evaluations score it, since it is what the phase exports. Decay 0: off, no copy.
+    Every rank holds the same parameters, so every rank's average is the same and checkpoints need one.
+    """
+
+    def __init__(self, model: DistillationModel, decay: float):
+        self.averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay)) if decay > 0 else None
+        self.update(model)  # the first update copies: the average starts at the phase's starting weights
+
+    def update(self, model: DistillationModel) -> None:
+        if self.averaged is not None:
+            self.averaged.update_parameters(model)
+
+    def model(self, model: DistillationModel) -> DistillationModel:
+        """What the phase would end with now: the average, or `model` itself when averaging is off."""
+        return model if self.averaged is None else self.averaged.module
+
+    @torch.no_grad()
+    def apply_to(self, model: DistillationModel) -> None:
+        if self.averaged is not None:
+            torch._foreach_copy_(list(model.parameters()), list(self.averaged.module.parameters()))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        if self.averaged is None:
+            return {}
+        return {name: tensor.detach().contiguous() for name, tensor in self.averaged.state_dict().items()}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.averaged is not None:
+            self.averaged.load_state_dict(tensors)
 
 
 def release_freed_memory() -> None:
@@ -274,6 +313,10 @@ class _Preemption:
         cls.requested = True
 
 
+def _section(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+
+
 def plain_model(accelerator: Accelerator, wrapped: torch.nn.Module) -> DistillationModel:
     """The model `prepare` was given, free of DDP and of torch.compile, sharing the trained parameters.
 
@@ -312,12 +355,18 @@ def train_phase(
     )
     wrapped, optimizer, prepared_loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     memory = PassageMemory(settings.kl_memory_steps if settings.name == "phase2" else 0)  # 0: holds nothing
+    plain = plain_model(accelerator, wrapped)  # placed on the device by `prepare`; shares its parameters
+    average = WeightAverage(plain, settings.ema_decay)
 
     def checkpoint() -> Path:
-        return save_checkpoint(accelerator, checkpoints.output_dir, state, checkpoints.limit, memory.state_dict())
+        extra = {f"memory.{k}": v for k, v in memory.state_dict().items()}
+        extra |= {f"average.{k}": v for k, v in average.state_dict().items()}
+        return save_checkpoint(accelerator, checkpoints.output_dir, state, checkpoints.limit, extra)
 
     if resume is not None:
-        memory.load_state_dict(load_checkpoint(accelerator, resume), accelerator.device)
+        extra = load_checkpoint(accelerator, resume)
+        memory.load_state_dict(_section(extra, "memory."), accelerator.device)
+        average.load_state_dict(_section(extra, "average."))
         accelerator.step = state.accelerator_step  # keeps gradient-accumulation windows where they were
     else:
         state.start_phase(settings.name)
@@ -369,6 +418,7 @@ def train_phase(
             if not accelerator.sync_gradients:
                 continue
             memory.commit()
+            average.update(plain)
             mean_loss = sum(window_losses) / len(window_losses)
             window_losses.clear()
             window_start = state.batches_done
@@ -387,7 +437,7 @@ def train_phase(
                     exit_code=143,
                 )
             if evaluate is not None and eval_steps and state.optimizer_steps % eval_steps == 0:
-                evaluate(plain_model(accelerator, wrapped), state.optimizer_steps)  # collective: all ranks
+                evaluate(average.model(plain), state.optimizer_steps)  # collective: all ranks
             if checkpoints.every and state.optimizer_steps % checkpoints.every == 0:
                 checkpoint()
             if TRIM_EVERY and accelerator.device.type == "cpu" and state.optimizer_steps % TRIM_EVERY == 0:
@@ -396,6 +446,6 @@ def train_phase(
     state.epoch = settings.epochs
     state.train_seconds = time.perf_counter() - started
     progress.close()
-    model = plain_model(accelerator, wrapped)
+    average.apply_to(plain)
     accelerator.free_memory()  # forget this phase's optimizer, scheduler and loader; the next phase re-prepares
-    return model
+    return plain

@@ -364,6 +364,39 @@ def test_passage_memory_adds_earlier_steps_as_detached_candidates():
     assert off.extend(*batches[1])[0] is batches[1][0] and off.state_dict() == {}
 
 
+def test_weight_average_starts_at_the_phase_start_and_the_phase_ends_with_it():
+    from distill.training import WeightAverage
+
+    model = torch.nn.Linear(3, 2)
+    start = [p.detach().clone() for p in model.parameters()]
+    average = WeightAverage(model, 0.75)
+    assert average.model(model) is not model  # evaluations score the average, a copy
+    trained = []
+    with torch.no_grad():
+        for _ in range(2):  # two optimizer steps
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+            trained.append([p.detach().clone() for p in model.parameters()])
+            average.update(model)
+    # decay**2 of the start, then each step's weights by (1 - decay) * decay**(steps after it)
+    expected = [0.5625 * s + 0.1875 * a + 0.25 * b for s, a, b in zip(start, *trained)]
+    for got, want in zip(average.model(model).parameters(), expected):
+        torch.testing.assert_close(got, want)
+    restored = WeightAverage(torch.nn.Linear(3, 2), 0.75)
+    restored.load_state_dict(average.state_dict())
+    for got, want in zip(restored.model(model).parameters(), expected):
+        torch.testing.assert_close(got, want)
+    average.apply_to(model)
+    for got, want in zip(model.parameters(), expected):
+        torch.testing.assert_close(got, want)
+    off = WeightAverage(model, 0.0)
+    off.update(model)
+    off.apply_to(model)
+    assert off.model(model) is model and off.state_dict() == {}
+    for got, want in zip(model.parameters(), expected):
+        torch.testing.assert_close(got, want)
+
+
 def test_projection_init_is_orthogonal_unless_the_student_is_wider(tiny_models, tiny_data, tmp_path):
     """auto: a bias-free orthonormal start for the 32-d student; least squares (with bias) for the 64-d one."""
     for student, expect_bias in (("student", False), ("wide_student", True)):
