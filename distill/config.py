@@ -450,7 +450,8 @@ def validate(config: Config) -> list[str]:
         problems.append(f"warmup_ratio: expected a fraction in [0, 1), got {config.training.warmup_ratio}")
     if not 0 <= config.training.ema_decay < 1:
         problems.append(
-            f"ema_decay: expected a decay in [0, 1) such as 0.99 (0 turns averaging off), got {config.training.ema_decay}"
+            "ema_decay: expected a decay in [0, 1) such as 0.99 (0 turns averaging off), "
+            f"got {config.training.ema_decay}"
         )
     if not config.training.projection_lr_scale > 0:
         problems.append(
