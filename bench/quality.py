@@ -55,6 +55,14 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
         help="output_dir of a finished distill run with the same config and flags: take its results.json "
         "instead of training the toolkit again (the section says so)",
     )
+    parser.add_argument(
+        "--pool",
+        nargs="+",
+        default=None,
+        metavar="OUTPUT_DIR",
+        help="train nothing: pool the paired comparison of finished benchmark runs (their --output_dir, e.g. one "
+        "per seed) into one interval, written as section --name (default: pooled)",
+    )
     # Anything else is a distill flag, given to the toolkit run and used to build the peer's data too.
     return parser.parse_known_args()
 
@@ -206,6 +214,85 @@ def machine() -> str:
     return f"{os.cpu_count()} CPU cores ({cpu}), {gpu}, {platform.system()} {platform.release()}"
 
 
+def paired_difference(ours: list[int], theirs: list[int], resamples: int = 10_000) -> dict[str, float]:
+    """distill minus peer, query by query on the same evaluation set: mean nDCG@10 difference, its 95% CI.
+
+    A paired bootstrap (scipy's `bootstrap` over the per-query differences, percentile interval, fixed seed):
+    both students answer the same queries, so most of the evaluation set's sampling noise cancels out, and the
+    interval says whether the difference is larger than what the choice of 867 queries can explain.
+    """
+    from scipy.stats import bootstrap
+
+    from distill.evaluation import ndcg_per_query
+
+    if len(ours) != len(theirs):
+        raise ValueError(f"paired comparison needs the same queries on both sides, got {len(ours)} and {len(theirs)}")
+    diff = ndcg_per_query(np.asarray(ours)) - ndcg_per_query(np.asarray(theirs))
+    interval = bootstrap(
+        (diff,), np.mean, confidence_level=0.95, n_resamples=resamples, method="percentile", random_state=0
+    ).confidence_interval
+    return {
+        "mean": float(diff.mean()),
+        "low": float(interval.low),
+        "high": float(interval.high),
+        "better": int((diff > 0).sum()),
+        "worse": int((diff < 0).sum()),
+        "queries": len(diff),
+    }
+
+
+def verdict(paired: dict[str, float]) -> str:
+    interval = f"95% paired-bootstrap CI [{paired['low']:+.4f}, {paired['high']:+.4f}] over {paired['queries']} queries"
+    if paired["low"] > 0:
+        return f"distill higher: {interval}"
+    if paired["high"] < 0:
+        return f"distill NOT higher: {interval}"
+    return f"a tie, the interval holds 0: {interval}"
+
+
+def pooled_section(name: str, runs: list[str], command: str) -> str:
+    """One paired interval over the queries of several finished runs (their evaluation sets side by side)."""
+    ours: list[int] = []
+    theirs: list[int] = []
+    lines = [
+        f"<!-- quality:{name} -->",
+        f"### Benchmark `{name}`: distill vs the best peer, pooled over {len(runs)} runs",
+        "",
+        f"Command: `{command}`  ",
+        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        "",
+        "| run | seed | distill nDCG@10 | best peer nDCG@10 | distill − peer | 95% CI | queries higher / lower |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        toolkit = json.loads((Path(run) / "toolkit" / "results.json").read_text())
+        peers = [json.loads(p.read_text()) for p in sorted(Path(run).glob("peer*/results.json"))]
+        if not peers or any("ranks@10" not in r["student_after"] for r in [toolkit, *peers]):
+            raise SystemExit(
+                f"{run}: expected toolkit/results.json and peer*/results.json with per-query ranks (ranks@10); "
+                "re-run that benchmark with this version of bench/quality.py"
+            )
+        peer = max(peers, key=lambda p: p["student_after"]["ndcg@10"])
+        a, b = toolkit["student_after"], peer["student_after"]
+        paired = paired_difference(a["ranks@10"], b["ranks@10"])
+        ours += a["ranks@10"]
+        theirs += b["ranks@10"]
+        lines.append(
+            f"| {run} | {toolkit['config'].get('seed')} | {a['ndcg@10']:.4f} | {b['ndcg@10']:.4f} "
+            f"| {paired['mean']:+.4f} | [{paired['low']:+.4f}, {paired['high']:+.4f}] "
+            f"| {paired['better']} / {paired['worse']} |"
+        )
+    paired = paired_difference(ours, theirs)
+    lines += [
+        f"| **pooled** | | | | **{paired['mean']:+.4f}** | [{paired['low']:+.4f}, {paired['high']:+.4f}] "
+        f"| {paired['better']} / {paired['worse']} |",
+        "",
+        f"Pooled: {verdict(paired)}.",
+        f"<!-- /quality:{name} -->",
+    ]
+    return "\n".join(lines)
+
+
 def _fmt(value: object) -> str:
     return f"{value:.3f}" if isinstance(value, float) else ("–" if value is None else str(value))
 
@@ -266,15 +353,18 @@ def section(name: str, toolkit: dict, peers: list[dict], command: str, toolkit_s
         )
     peer = max(peers, key=lambda p: p["student_after"]["ndcg@10"])
     margin = after["ndcg@10"] - peer["student_after"]["ndcg@10"]
-    lines += [
-        "",
-        f"distill − best peer: {margin:+.4f} nDCG@10 ("
-        + (
+    if "ranks@10" in after and "ranks@10" in peer["student_after"]:
+        paired = paired_difference(after["ranks@10"], peer["student_after"]["ranks@10"])
+        judged = f"{verdict(paired)}; distill ranks {paired['better']} queries higher, {paired['worse']} lower"
+    else:  # results written before per-query ranks were kept
+        judged = (
             "below 0.005: a tie, not a win"
             if abs(margin) < 0.005
             else ("distill higher" if margin > 0 else "distill NOT higher")
-        )
-        + "). Each peer trained on the same "
+        ) + "; no per-query ranks in these results, so no interval"
+    lines += [
+        "",
+        f"distill − best peer: {margin:+.4f} nDCG@10 ({judged}). Each peer trained on the same "
         f"{peer['texts_available']} texts (phase-1 texts + phase-2 queries + passages, labels from the same teacher "
         f"cache), lr {peer['lr']}, batch as the config, stopped by the time budget of {peer['budget_s']} s: "
         f"{peer['stopped_by_budget']}.",
@@ -302,6 +392,12 @@ def main() -> int:
     os.chdir(ROOT)
     from distill.config import load_config
 
+    bench_command = " ".join(["python", "bench/quality.py", *sys.argv[1:]])
+    if args.pool:
+        text = pooled_section(args.name or "pooled", args.pool, bench_command)
+        write_section(Path(args.doc), args.name or "pooled", text)
+        print(text)
+        return 0
     output_dir = Path(args.output_dir)
     name = args.name or Path(args.config).stem
     config = load_config(["--config", args.config, "--output_dir", str(output_dir / "peer"), *extra])
@@ -317,7 +413,6 @@ def main() -> int:
         peer_dir = output_dir / ("peer" if len(distances) == 1 else f"peer_{distance}")
         peer_dir.mkdir(parents=True, exist_ok=True)
         peers.append(run_peer(config, peer_dir, args, budget, distance))
-    bench_command = " ".join(["python", "bench/quality.py", *sys.argv[1:]])
     text = section(name, toolkit, peers, bench_command, toolkit_seconds)
     write_section(Path(args.doc), name, text)
     print(text)

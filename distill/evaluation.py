@@ -47,17 +47,29 @@ def _unit(vectors: np.ndarray) -> np.ndarray:
     return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
 
 
-def retrieval_metrics(queries: np.ndarray, corpus: np.ndarray, relevant: list[int]) -> dict[str, float]:
-    """nDCG@10 and MRR@10 with one relevant passage per query, by cosine similarity."""
+def retrieval_ranks(queries: np.ndarray, corpus: np.ndarray, relevant: list[int]) -> np.ndarray:
+    """Per query, the 0-based rank of its one relevant passage among the top 10 by cosine; -1 outside them."""
     scores = torch.from_numpy(_unit(queries) @ _unit(corpus).T)  # (queries, corpus)
     top = torch.topk(scores, k=min(TOP_K, scores.shape[1]), dim=1).indices.numpy()
     hits = top == np.asarray(relevant)[:, None]  # (queries, k): at most one True per row
-    ranks = np.where(hits.any(axis=1), hits.argmax(axis=1), -1)
-    found = ranks >= 0
-    safe = np.where(found, ranks, 0)
-    ndcg = np.where(found, 1.0 / np.log2(safe + 2.0), 0.0)
-    mrr = np.where(found, 1.0 / (safe + 1.0), 0.0)
-    return {"ndcg@10": float(ndcg.mean()), "mrr@10": float(mrr.mean())}
+    return np.where(hits.any(axis=1), hits.argmax(axis=1), -1)
+
+
+def ndcg_per_query(ranks: np.ndarray) -> np.ndarray:
+    """nDCG@10 of each query from its rank (one relevant passage: 1 / log2(rank + 2), 0 outside the top 10)."""
+    ranks = np.asarray(ranks)
+    return np.where(ranks >= 0, 1.0 / np.log2(np.maximum(ranks, 0) + 2.0), 0.0)
+
+
+def rank_metrics(ranks: np.ndarray) -> dict[str, float]:
+    ranks = np.asarray(ranks)
+    mrr = np.where(ranks >= 0, 1.0 / (np.maximum(ranks, 0) + 1.0), 0.0)
+    return {"ndcg@10": float(ndcg_per_query(ranks).mean()), "mrr@10": float(mrr.mean())}
+
+
+def retrieval_metrics(queries: np.ndarray, corpus: np.ndarray, relevant: list[int]) -> dict[str, float]:
+    """nDCG@10 and MRR@10 with one relevant passage per query, by cosine similarity."""
+    return rank_metrics(retrieval_ranks(queries, corpus, relevant))
 
 
 def sts_spearman(vectors: np.ndarray, pairs: list[tuple[int, int]], scores: list[float]) -> float:
@@ -68,9 +80,14 @@ def sts_spearman(vectors: np.ndarray, pairs: list[tuple[int, int]], scores: list
     return rho if np.isfinite(rho) else 0.0  # constant vectors (a degenerate model) carry no ranking
 
 
-def score(vectors: EvalVectors, eval_set: EvalSet, teacher: EvalVectors | None = None) -> dict[str, float]:
-    """All metrics of one set of vectors; `teacher` (same space) adds the mean cosine to the teacher."""
-    metrics = retrieval_metrics(vectors.queries, vectors.corpus, eval_set.relevant)
+def score(vectors: EvalVectors, eval_set: EvalSet, teacher: EvalVectors | None = None) -> dict[str, object]:
+    """All metrics of one set of vectors; `teacher` (same space) adds the mean cosine to the teacher.
+
+    `ranks@10` keeps each query's rank (`retrieval_ranks`), so two models scored on the same set can be
+    compared query by query (the quality benchmark's paired bootstrap); it is not a scalar, so trackers skip it.
+    """
+    ranks = retrieval_ranks(vectors.queries, vectors.corpus, eval_set.relevant)
+    metrics: dict[str, object] = {**rank_metrics(ranks), "ranks@10": ranks.tolist()}
     if vectors.sts is not None and eval_set.sts_pairs:
         metrics["sts_spearman"] = sts_spearman(vectors.sts, eval_set.sts_pairs, eval_set.sts_scores)
     if teacher is not None:

@@ -20,7 +20,9 @@ from distill.evaluation import (
     EvalVectors,
     evaluate_student,
     evaluate_teacher,
+    ndcg_per_query,
     retrieval_metrics,
+    retrieval_ranks,
     score,
     sts_spearman,
     truncated,
@@ -80,6 +82,19 @@ def test_metrics_average_over_queries_and_use_cosine() -> None:
     metrics = retrieval_metrics(queries, corpus * 3.0, [0, 2])
     assert metrics["ndcg@10"] == pytest.approx((1 + 1 / math.log2(3)) / 2)
     assert metrics["mrr@10"] == pytest.approx(0.75)
+
+
+def test_ranks_per_query_give_the_metrics() -> None:
+    corpus = np.array([one_hot(i, 12) for i in range(12)])
+    # query 0 finds its passage first, query 1 its passage second, query 2 prefers ten passages to its own
+    queries = np.array([one_hot(0, 12), 0.9 * one_hot(3, 12) + 0.5 * one_hot(1, 12), np.r_[np.ones(10), 0.1, 0.0]])
+    ranks = retrieval_ranks(queries, corpus, [0, 1, 10])
+    assert ranks.tolist() == [0, 1, -1]
+    np.testing.assert_allclose(ndcg_per_query(ranks), [1.0, 1 / math.log2(3), 0.0])
+    eval_set = EvalSet(queries=["a", "b", "c"], corpus=[str(i) for i in range(12)], relevant=[0, 1, 10])
+    metrics = score(EvalVectors(queries, corpus, None), eval_set)
+    assert metrics["ranks@10"] == [0, 1, -1]
+    assert metrics["ndcg@10"] == pytest.approx(ndcg_per_query(ranks).mean())
 
 
 def test_fewer_passages_than_ten() -> None:

@@ -1,0 +1,50 @@
+"""bench/quality.py's verdict: a paired bootstrap over the queries both students answered."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import quality  # noqa: E402
+
+
+def test_a_consistent_gain_is_a_win_and_noise_is_a_tie() -> None:
+    rng = np.random.default_rng(0)
+    theirs = rng.integers(-1, 10, size=800).tolist()
+    # distill moves one query in four up by one place (or into the top 10): higher, and the interval says so
+    ours = [
+        max(r - 1, 0) if r != -1 and i % 4 == 0 else (9 if r == -1 and i % 4 == 0 else r) for i, r in enumerate(theirs)
+    ]
+    win = quality.paired_difference(ours, theirs)
+    assert win["worse"] == 0 and win["better"] > 0 and 0 < win["low"] <= win["mean"] <= win["high"]
+    assert quality.verdict(win).startswith("distill higher")
+    # the same ranks shuffled between queries: the two means match, the per-query differences are noise
+    shuffled = rng.permutation(theirs).tolist()
+    tie = quality.paired_difference(shuffled, theirs)
+    assert tie["mean"] == pytest.approx(0.0) and tie["low"] < 0 < tie["high"]
+    assert quality.verdict(tie).startswith("a tie")
+    assert quality.verdict(quality.paired_difference(theirs, ours)).startswith("distill NOT higher")
+    with pytest.raises(ValueError, match="same queries on both sides"):
+        quality.paired_difference(ours[:10], theirs)
+
+
+def test_pooling_concatenates_the_runs_queries(tmp_path: Path) -> None:
+    runs = []
+    for seed, (ours, theirs) in enumerate((([0, 0, 1, -1], [1, 0, 1, -1]), ([0, 2, 3, 4], [0, 3, 3, 9]))):
+        run = tmp_path / f"seed{seed}"
+        for side, ranks in (("toolkit", ours), ("peer", theirs)):
+            (run / side).mkdir(parents=True)
+            after = {"ndcg@10": float(np.mean([r >= 0 for r in ranks])), "ranks@10": ranks}
+            (run / side / "results.json").write_text(json.dumps({"student_after": after, "config": {"seed": seed}}))
+        runs.append(str(run))
+    text = quality.pooled_section("pooled", runs, "python bench/quality.py --pool ...")
+    pooled = quality.paired_difference([0, 0, 1, -1, 0, 2, 3, 4], [1, 0, 1, -1, 0, 3, 3, 9])
+    assert f"**{pooled['mean']:+.4f}**" in text and "| 3 / 0 |" in text  # 1 + 2 queries higher, none lower
+    (tmp_path / "seed1" / "peer" / "results.json").write_text(json.dumps({"student_after": {"ndcg@10": 0.5}}))
+    with pytest.raises(SystemExit, match="per-query ranks"):
+        quality.pooled_section("pooled", runs, "")
