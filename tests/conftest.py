@@ -54,6 +54,8 @@ def build_tiny_model(folder: Path, hidden: int, layers: int, seed: int) -> Path:
     SentenceTransformer(modules=[transformer, pooling, Normalize()], device="cpu").save(
         str(folder / "st"), create_model_card=False
     )
+    saved = SentenceTransformer(str(folder / "st"), device="cpu").tokenizer  # what every test loads
+    assert all(saved.tokenize(word) == [word] for word in WORDS), "a tiny-model word is not one vocabulary token"
     return folder / "st"
 
 

@@ -34,7 +34,7 @@ def flags(tiny_models, tiny_data, out: Path, cache: Path, **extra) -> list[str]:
         phase1_epochs=4,
         phase2_epochs=3,
         kl_memory_steps=2,
-        ema_decay=0.8,
+        ema_decay=0.95,
         checkpoint_steps=3,
         checkpoints_total_limit=3,
         save_to_artifacts=True,

@@ -167,7 +167,8 @@ def test_gradient_checkpointing_recomputes_each_layer_with_the_same_gradients(ti
     texts = sentences(4, seed=5)
     gradients, attention_calls = {}, {}
     for checkpointing in (False, True):
-        student = load_student(str(tiny_models["student"]))
+        # attention dropout on: the recomputed forward pass must replay the first pass's masks
+        student = load_student(str(tiny_models["student"]), attention_dropout=0.3)
         if checkpointing:
             assert enable_gradient_checkpointing(student) == [student[0].auto_model]
             assert all(layer.gradient_checkpointing for layer in encoder_layers(student))
@@ -175,6 +176,7 @@ def test_gradient_checkpointing_recomputes_each_layer_with_the_same_gradients(ti
         for layer in encoder_layers(student):
             layer.attention.register_forward_hook(lambda *_, seen=calls: seen.append(1))
         student.train()
+        torch.manual_seed(0)
         student(student_features(student, texts))["sentence_embedding"].pow(2).sum().backward()
         attention_calls[checkpointing] = len(calls)
         gradients[checkpointing] = {n: p.grad for n, p in student.named_parameters() if p.grad is not None}
@@ -204,7 +206,7 @@ def test_gradient_checkpointing_wraps_the_layers_of_a_backbone_hugging_face_cann
     """MPNet (the default student) has no Hugging Face checkpointing in transformers 5: its layers are wrapped."""
 
     def gradients(checkpointing: bool) -> tuple[torch.Tensor, int]:
-        student = load_student(str(tiny_models["student"]))
+        student = load_student(str(tiny_models["student"]), attention_dropout=0.3)  # masks to replay
         backbone = student[0].auto_model
         backbone.supports_gradient_checkpointing = False  # as MPNetModel declares it
         layers = list(backbone.encoder.layer)
