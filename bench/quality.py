@@ -241,8 +241,12 @@ def paired_difference(ours: list[int], theirs: list[int], resamples: int = 10_00
     }
 
 
+def _interval(paired: dict[str, float]) -> str:
+    return f"[{paired['low']:+.4f}, {paired['high']:+.4f}]"
+
+
 def verdict(paired: dict[str, float]) -> str:
-    interval = f"95% paired-bootstrap CI [{paired['low']:+.4f}, {paired['high']:+.4f}] over {paired['queries']} queries"
+    interval = f"95% paired-bootstrap CI {_interval(paired)} over {paired['queries']} queries"
     if paired["low"] > 0:
         return f"distill higher: {interval}"
     if paired["high"] < 0:
@@ -279,12 +283,12 @@ def pooled_section(name: str, runs: list[str], command: str) -> str:
         theirs += b["ranks@10"]
         lines.append(
             f"| {run} | {toolkit['config'].get('seed')} | {a['ndcg@10']:.4f} | {b['ndcg@10']:.4f} "
-            f"| {paired['mean']:+.4f} | [{paired['low']:+.4f}, {paired['high']:+.4f}] "
+            f"| {paired['mean']:+.4f} | {_interval(paired)} "
             f"| {paired['better']} / {paired['worse']} |"
         )
     paired = paired_difference(ours, theirs)
     lines += [
-        f"| **pooled** | | | | **{paired['mean']:+.4f}** | [{paired['low']:+.4f}, {paired['high']:+.4f}] "
+        f"| **pooled** | | | | **{paired['mean']:+.4f}** | {_interval(paired)} "
         f"| {paired['better']} / {paired['worse']} |",
         "",
         f"Pooled: {verdict(paired)}.",

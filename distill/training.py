@@ -133,9 +133,7 @@ class WeightAverage:
             torch._foreach_copy_(list(model.parameters()), list(self.averaged.module.parameters()))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        if self.averaged is None:
-            return {}
-        return {name: tensor.detach().contiguous() for name, tensor in self.averaged.state_dict().items()}
+        return {} if self.averaged is None else dict(self.averaged.state_dict())  # save_checkpoint detaches
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         if self.averaged is not None:
