@@ -156,6 +156,12 @@ class TrainingConfig:
         default=0.0,
         help="Phase-1 weight of an in-batch similarity KL: each text's softmax over the batch's other texts.",
     )
+    resim_weight: float = _opt(
+        default=0.0,
+        help="Phase-2 weight of Jasper/Stella's relative similarity loss: any two of the batch's query-passage "
+        "scores keep the teacher's order by resim_margin. 0: off.",
+    )
+    resim_margin: float = _opt(default=0.015, help="Cosine margin of the relative similarity loss.")
     projection_lr_scale: float = _opt(
         default=1.0, help="Projection mode: the projection's lr is the phase lr times this (its own AdamW group)."
     )
@@ -464,6 +470,8 @@ def validate(config: Config) -> list[str]:
         "mse_weight",
         "kl_weight",
         "phase1_kl_weight",
+        "resim_weight",
+        "resim_margin",
         "kl_memory_steps",
     ):
         if getattr(config.training, name) < 0:

@@ -1,4 +1,4 @@
-"""Distillation losses: embedding alignment (phase 1 and 2) and in-batch similarity KL (phase 2).
+"""Distillation losses: embedding alignment (phase 1 and 2), in-batch similarity KL and relative similarity (phase 2).
 
 All functions are pure: tensors in, scalar tensors out. `dims` selects the comparison space: None compares
 the vectors as given (projection mode: projected student vs full teacher); a list of Matryoshka dims
@@ -26,6 +26,9 @@ class LossWeights:
     matryoshka_full_teacher_similarity: bool = False
     # Phase 1: weight of the in-batch text-to-text similarity KL (0: alignment only).
     phase1_kl: float = 0.0
+    # Phase 2: weight and margin of the relative similarity loss (0: off).
+    resim: float = 0.0
+    resim_margin: float = 0.015
 
 
 def truncate(vectors: torch.Tensor, dim: int) -> torch.Tensor:
@@ -92,3 +95,35 @@ def similarity_kl_loss(
             log_target=True,
         )
     return weights.kl * total / len(query_spaces)
+
+
+def relative_similarity_loss(
+    student_queries: torch.Tensor,
+    student_passages: torch.Tensor,
+    teacher_queries: torch.Tensor,
+    teacher_passages: torch.Tensor,
+    weights: LossWeights,
+    dims: list[int] | None = None,
+) -> torch.Tensor:
+    """Jasper/Stella's relative similarity distillation over the batch's query-passage cosine scores.
+
+    Every two scores of the (queries x passages) matrix, a and b, that the teacher orders a > b cost
+    relu(margin - (s_a - s_b)) in the student: it must keep the teacher's order of any two pairs, across queries
+    too, by at least the margin (0.015 in the paper). Averaged over all ordered pairs of scores the teacher
+    does not tie. Memory is O((queries x passages)^2): 1M entries at 32 x 32.
+    """
+    total = student_queries.new_zeros(())
+    query_spaces = _spaces(student_queries.float(), teacher_queries.float(), dims)
+    passage_spaces = _spaces(student_passages.float(), teacher_passages.float(), dims)
+    full_teacher = weights.matryoshka_full_teacher_similarity and dims is not None
+    for (sq, tq), (sp, tp) in zip(query_spaces, passage_spaces):
+        if full_teacher:
+            tq, tp = query_spaces[0][1], passage_spaces[0][1]
+        student_scores = (F.normalize(sq, dim=-1) @ F.normalize(sp, dim=-1).T).flatten()
+        teacher_scores = (F.normalize(tq, dim=-1) @ F.normalize(tp, dim=-1).T).flatten()
+        order = torch.sign(teacher_scores[:, None] - teacher_scores[None, :])  # (a, b): +1 where t_a > t_b
+        gaps = student_scores[:, None] - student_scores[None, :]
+        hinge = F.relu(weights.resim_margin - order * gaps)
+        ordered = order != 0
+        total = total + hinge[ordered].sum() / ordered.sum().clamp(min=1)
+    return weights.resim * total / len(query_spaces)

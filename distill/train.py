@@ -355,6 +355,8 @@ def phase_settings(
             t.temperature,
             matryoshka_full_teacher_similarity=t.matryoshka_full_teacher_similarity,
             phase1_kl=t.phase1_kl_weight,
+            resim=t.resim_weight,
+            resim_margin=t.resim_margin,
         ),
         matryoshka_dims=dims,
         projection_lr_scale=t.projection_lr_scale,

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from distill.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from distill.errors import DistillError
-from distill.losses import LossWeights, alignment_loss, similarity_kl_loss
+from distill.losses import LossWeights, alignment_loss, relative_similarity_loss, similarity_kl_loss
 from distill.student import DistillationModel
 
 logger = get_logger(__name__)
@@ -248,17 +248,18 @@ def phase_loss(
         alignment_loss(queries, batch["teacher_queries"], weights, dims)
         + alignment_loss(passages, batch["teacher_passages"], weights, dims)
     )
+    student_queries = gather_with_grad(accelerator, queries)
+    teacher_queries = accelerator.gather(batch["teacher_queries"].contiguous())
     student_passages = gather_with_grad(accelerator, passages)
     teacher_passages = accelerator.gather(batch["teacher_passages"].contiguous())
     candidate_passages, candidate_teacher = memory.extend(student_passages, teacher_passages)
     similarity = similarity_kl_loss(
-        gather_with_grad(accelerator, queries),
-        candidate_passages,
-        accelerator.gather(batch["teacher_queries"].contiguous()),
-        candidate_teacher,
-        weights,
-        dims,
+        student_queries, candidate_passages, teacher_queries, candidate_teacher, weights, dims
     )
+    if weights.resim:  # the batch's own passages: the memory would square its (scores x scores) cost
+        similarity = similarity + relative_similarity_loss(
+            student_queries, student_passages, teacher_queries, teacher_passages, weights, dims
+        )
     memory.stage(student_passages, teacher_passages)
     # DDP averages gradients over ranks; the global similarity loss is computed on every rank and each
     # rank's gradient covers only its own rows, so scaling by the world size makes the average the sum

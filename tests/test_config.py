@@ -105,6 +105,7 @@ def test_unknown_yaml_key_via_build_config() -> None:
         (["--use_projection", "yes please"], r"use_projection: expected True or False"),
         (["--warmup_ratio", "1.0"], r"warmup_ratio: expected a fraction in \[0, 1\)"),
         (["--weight_decay", "-1"], r"weight_decay: expected a number >= 0"),
+        (["--resim_weight", "-1"], r"resim_weight: expected a number >= 0"),
         (["--ema_decay", "1"], r"ema_decay: expected a decay in \[0, 1\) such as 0\.99"),
         (["--student_num_layers", "0"], r"student_num_layers: expected a positive integer or nothing"),
         (

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from distill.losses import LossWeights, alignment_loss, similarity_kl_loss, truncate
+from distill.losses import LossWeights, alignment_loss, relative_similarity_loss, similarity_kl_loss, truncate
 
 
 def unit(rows: list[list[float]]) -> torch.Tensor:
@@ -221,3 +222,74 @@ def test_similarity_kl_gradient_moves_student_towards_teacher() -> None:
     with torch.no_grad():
         after = similarity_kl_loss(sq - 0.05 * sq.grad, sp - 0.05 * sp.grad, tq, tp, weights)
     assert after.item() < before.item()
+
+
+# ---------------------------------------------------------------- relative similarity
+
+
+def test_relative_similarity_matches_hand_computed_value() -> None:
+    # one query, two passages: the teacher scores passage 0 above passage 1, the student the other way round
+    query = unit([[1.0, 0.0]])
+    teacher_passages = unit([[1.0, 0.0], [0.0, 1.0]])  # teacher scores 1.0 and 0.0
+    student_passages = unit([[0.6, 0.8], [0.8, 0.6]])  # student scores 0.6 and 0.8
+    weights = LossWeights(resim=2.0, resim_margin=0.1)
+    loss = relative_similarity_loss(query, student_passages, query, teacher_passages, weights)
+    # both ordered pairs (0, 1) and (1, 0) cost relu(0.1 - (0.6 - 0.8)) = 0.3; the weight doubles it
+    assert loss.item() == pytest.approx(2.0 * 0.3, rel=1e-5)
+
+
+def test_relative_similarity_is_zero_when_every_order_is_kept_by_the_margin() -> None:
+    queries, passages = random_unit(4, 16, seed=20), random_unit(5, 16, seed=21)
+    weights = LossWeights(resim=1.0, resim_margin=0.0)
+    assert relative_similarity_loss(queries, passages, queries, passages, weights).item() == 0.0
+    # with a margin, pairs the teacher separates by less than it still cost something
+    with_margin = relative_similarity_loss(queries, passages, queries, passages, replace(weights, resim_margin=0.5))
+    assert with_margin.item() > 0.0
+
+
+def test_relative_similarity_compares_scores_across_queries() -> None:
+    # two queries, one passage each: only the cross-query order of the two scores is there to keep
+    queries = unit([[1.0, 0.0], [0.0, 1.0]])
+    passage = unit([[1.0, 0.2]])
+    weights = LossWeights(resim=1.0, resim_margin=0.0)
+    swapped = relative_similarity_loss(queries, passage, queries.flip(0), passage, weights)
+    expected = abs((queries[0] @ passage[0] - queries[1] @ passage[0]).item())
+    assert swapped.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_relative_similarity_ignores_teacher_ties() -> None:
+    query = unit([[1.0, 0.0]])
+    teacher_passages = unit([[1.0, 1.0], [1.0, -1.0]])  # the teacher scores both 0.707
+    student_passages = unit([[1.0, 0.0], [0.0, 1.0]])
+    weights = LossWeights(resim=1.0, resim_margin=0.1)
+    assert relative_similarity_loss(query, student_passages, query, teacher_passages, weights).item() == 0.0
+
+
+def test_relative_similarity_gradient_restores_the_teachers_order() -> None:
+    query = unit([[1.0, 0.0]])
+    teacher_passages = unit([[1.0, 0.0], [0.0, 1.0]])
+    student_passages = unit([[0.6, 0.8], [0.8, 0.6]]).requires_grad_()
+    weights = LossWeights(resim=1.0)
+    relative_similarity_loss(query, student_passages, query, teacher_passages, weights).backward()
+    stepped = student_passages.detach() - 0.1 * student_passages.grad
+    scores = F.normalize(stepped, dim=-1) @ query[0]
+    assert scores[0] - scores[1] > 0.6 - 0.8  # passage 0 gained on passage 1
+
+
+def test_relative_similarity_matryoshka_dims_average_the_truncated_spaces() -> None:
+    queries, passages = random_unit(3, 8, seed=22), random_unit(4, 8, seed=23)
+    teacher_queries, teacher_passages = random_unit(3, 8, seed=24), random_unit(4, 8, seed=25)
+    weights = LossWeights(resim=1.0)
+    per_dim = [
+        relative_similarity_loss(
+            truncate(queries, d),
+            truncate(passages, d),
+            truncate(teacher_queries, d),
+            truncate(teacher_passages, d),
+            weights,
+        ).item()
+        for d in (8, 4)
+    ]
+    mrl = relative_similarity_loss(queries, passages, teacher_queries, teacher_passages, weights, dims=[8, 4])
+    assert mrl.item() == pytest.approx(sum(per_dim) / 2, rel=1e-5)
+    assert per_dim[0] != pytest.approx(per_dim[1])  # the two spaces differ, so the average is not trivially right
