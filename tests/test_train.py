@@ -50,6 +50,19 @@ def exported_weights(out: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+def assert_closer_to_the_teacher(results: dict) -> None:
+    """Each phase brings the student's vectors closer to the teacher's (mean cosine on the evaluation texts).
+
+    Measured on the tiny models, seeds 7-10, both modes: before 0.964-0.968, phase 1 adds 0.012-0.015 and
+    phase 2 another 0.004-0.006; the bounds are half the smallest of those gains.
+    """
+    before, phase1, after = (
+        results[row]["teacher_cosine"] for row in ("student_before", "after_phase1", "student_after")
+    )
+    assert phase1 > before + 0.006, (before, phase1)
+    assert after > phase1 + 0.002, (phase1, after)
+
+
 def test_tiny_run_projection_mode_end_to_end(tiny_models, tiny_data, tmp_path):
     out = tmp_path / "run"
     assert main(tiny_run_flags(tiny_models, tiny_data, out, save_to_artifacts=True)) == 0
@@ -62,6 +75,7 @@ def test_tiny_run_projection_mode_end_to_end(tiny_models, tiny_data, tmp_path):
         stats = results["phases"][phase]
         assert stats["train_samples"] > 0 and stats["train_seconds"] > 0 and stats["teacher_seconds"] >= 0
         assert all(np.isfinite(stats["losses"]))
+    assert_closer_to_the_teacher(results)
     assert (out / "config.yaml").is_file()
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| ndcg@10 |" in (out / "report.md").read_text()
@@ -109,6 +123,7 @@ def test_matryoshka_mode_trains_truncated_dims(tiny_models, tiny_data, tmp_path)
     results = results_of(out)
     assert results["mode"] == "matryoshka"
     assert set(results["student_after"]["matryoshka_ndcg@10"]) == {"32", "16", "8"}
+    assert_closer_to_the_teacher(results)
     assert not (out / "artifacts" / "student").exists()
     model = SentenceTransformer(str(out / "artifacts" / "model"), device="cpu")
     assert model.encode(["a"]).shape == (1, 32)
