@@ -596,13 +596,11 @@ def test_fp16_gradient_compression_on_two_cpu_processes(tiny_models, tiny_data, 
     """gloo all-reduces fp16: the hook is registered for each phase on both ranks, and 2 x 4 with compressed
     gradients trains close to the uncompressed 1 x 8 run.
 
-    fp16 keeps 11 significant bits, so each gradient is off by up to 2**-11 = 5e-4 of itself: the losses stay
-    within 0.2% (4 such roundings) of the uncompressed ones, or within 1e-4 where a loss is itself near zero
-    (the weights' differences, not the loss's own size, set how far it moves; 2 x 4 uncompressed agrees with
-    1 x 8 per step within 2.1e-5, measured on AMD EPYC in test_two_processes_match_one_process_with_twice_the_batch
-    with the fixed tiny tokenizer). Weights move further apart, as AdamW normalises
-    each gradient by its running size and turns a tiny gradient that fp16 rounds off into a step of up to
-    the learning rate; 10 steps at lr <= 1e-3 bound the difference by 2 x 10 x 1e-3.
+    Measured on AMD EPYC (session 12): every step's loss within 1.04e-5 (8.1e-5 of itself) of the 1 x 8 run's,
+    and the exported weights at most 1.7e-3 apart; the bounds below are about 5x those. They do not tell a
+    compressed run from an uncompressed 2 x 4 one (which on this CPU also differs from 1 x 8 in the last bits:
+    test_two_processes_match_one_process_with_twice_the_batch); the hook names recorded on each rank show that
+    the compression was in use.
     """
     script = tmp_path / "compressed_run.py"
     script.write_text(GRADIENT_COMPRESSION_RUN)
@@ -615,5 +613,5 @@ def test_fp16_gradient_compression_on_two_cpu_processes(tiny_models, tiny_data, 
     assert results_of(out)["world_size"] == 2
     for rank in (0, 1):
         assert (tmp_path / f"hooks-rank{rank}.txt").read_text().split() == ["fp16_compress_hook"] * 2
-    assert_same_losses(out, eager_run, atol=1e-4, rtol=2e-3)
-    assert 1e-5 < max_weight_difference(out, eager_run) <= 2 * 10 * 1e-3  # compressed, so not the 1 x 8 weights
+    assert_same_losses(out, eager_run, atol=5e-5, rtol=5e-4)
+    assert max_weight_difference(out, eager_run) <= 1e-2
