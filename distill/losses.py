@@ -43,6 +43,25 @@ def _spaces(student: torch.Tensor, teacher: torch.Tensor, dims: list[int] | None
     return [(truncate(student, d), truncate(teacher, d)) for d in dims]
 
 
+def _pair_spaces(
+    student_queries: torch.Tensor,
+    student_passages: torch.Tensor,
+    teacher_queries: torch.Tensor,
+    teacher_passages: torch.Tensor,
+    weights: LossWeights,
+    dims: list[int] | None,
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(student queries, student passages, teacher queries, teacher passages) in each comparison space."""
+    query_spaces = _spaces(student_queries.float(), teacher_queries.float(), dims)
+    passage_spaces = _spaces(student_passages.float(), teacher_passages.float(), dims)
+    full_teacher = weights.matryoshka_full_teacher_similarity and dims is not None
+    # with full_teacher every space targets the first one's teacher: the full width (dims are sorted largest first)
+    return [
+        (sq, sp, *((query_spaces[0][1], passage_spaces[0][1]) if full_teacher else (tq, tp)))
+        for (sq, tq), (sp, tp) in zip(query_spaces, passage_spaces)
+    ]
+
+
 def alignment_loss(
     student: torch.Tensor, teacher: torch.Tensor, weights: LossWeights, dims: list[int] | None = None
 ) -> torch.Tensor:
@@ -76,12 +95,8 @@ def similarity_kl_loss(
     to itself out of its softmax.
     """
     total = student_queries.new_zeros(())
-    query_spaces = _spaces(student_queries.float(), teacher_queries.float(), dims)
-    passage_spaces = _spaces(student_passages.float(), teacher_passages.float(), dims)
-    full_teacher = weights.matryoshka_full_teacher_similarity and dims is not None
-    for (sq, tq), (sp, tp) in zip(query_spaces, passage_spaces):
-        if full_teacher:  # the first space is the full width (dims are sorted largest first)
-            tq, tp = query_spaces[0][1], passage_spaces[0][1]
+    spaces = _pair_spaces(student_queries, student_passages, teacher_queries, teacher_passages, weights, dims)
+    for sq, sp, tq, tp in spaces:
         student_scores = F.normalize(sq, dim=-1) @ F.normalize(sp, dim=-1).T / weights.temperature  # (q, p)
         teacher_scores = F.normalize(tq, dim=-1) @ F.normalize(tp, dim=-1).T / weights.temperature  # (q, p)
         if exclude_self:  # a large finite score, not -inf: KL's 0 * (-inf - -inf) would be NaN
@@ -94,7 +109,7 @@ def similarity_kl_loss(
             reduction="batchmean",
             log_target=True,
         )
-    return weights.kl * total / len(query_spaces)
+    return weights.kl * total / len(spaces)
 
 
 def relative_similarity_loss(
@@ -113,12 +128,8 @@ def relative_similarity_loss(
     does not tie. Memory is O((queries x passages)^2): 1M entries at 32 x 32.
     """
     total = student_queries.new_zeros(())
-    query_spaces = _spaces(student_queries.float(), teacher_queries.float(), dims)
-    passage_spaces = _spaces(student_passages.float(), teacher_passages.float(), dims)
-    full_teacher = weights.matryoshka_full_teacher_similarity and dims is not None
-    for (sq, tq), (sp, tp) in zip(query_spaces, passage_spaces):
-        if full_teacher:
-            tq, tp = query_spaces[0][1], passage_spaces[0][1]
+    spaces = _pair_spaces(student_queries, student_passages, teacher_queries, teacher_passages, weights, dims)
+    for sq, sp, tq, tp in spaces:
         student_scores = (F.normalize(sq, dim=-1) @ F.normalize(sp, dim=-1).T).flatten()
         teacher_scores = (F.normalize(tq, dim=-1) @ F.normalize(tp, dim=-1).T).flatten()
         order = torch.sign(teacher_scores[:, None] - teacher_scores[None, :])  # (a, b): +1 where t_a > t_b
@@ -126,4 +137,4 @@ def relative_similarity_loss(
         hinge = F.relu(weights.resim_margin - order * gaps)
         ordered = order != 0
         total = total + hinge[ordered].sum() / ordered.sum().clamp(min=1)
-    return weights.resim * total / len(query_spaces)
+    return weights.resim * total / len(spaces)
