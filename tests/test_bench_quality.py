@@ -48,3 +48,32 @@ def test_pooling_concatenates_the_runs_queries(tmp_path: Path) -> None:
     (tmp_path / "seed1" / "peer" / "results.json").write_text(json.dumps({"student_after": {"ndcg@10": 0.5}}))
     with pytest.raises(SystemExit, match="per-query ranks"):
         quality.pooled_section("pooled", runs, "")
+
+
+def test_paired_runs_table_per_seed_and_pooled(tmp_path: Path) -> None:
+    import paired
+
+    def run(name: str, seed: int, ranks: list[int]) -> str:
+        out = tmp_path / name
+        out.mkdir()
+        after = {"ndcg@10": float(np.mean([r >= 0 for r in ranks])), "ranks@10": ranks}
+        (out / "results.json").write_text(json.dumps({"student_after": after, "config": {"seed": seed}}))
+        return str(out)
+
+    pairs = [
+        f"{run('base1', 1, [0, 1, 5, -1])}:{run('change1', 1, [0, 0, 2, -1])}",
+        f"{run('base2', 2, [3, 0, -1])}:{run('change2', 2, [3, 1, -1])}",
+    ]
+    text = paired.table(pairs)
+    first = quality.paired_difference([0, 0, 2, -1], [0, 1, 5, -1])
+    pooled = quality.paired_difference([0, 0, 2, -1, 3, 1, -1], [0, 1, 5, -1, 3, 0, -1])
+    assert f"| {first['mean']:+.4f} |" in text and "| 2 / 0 |" in text  # seed 1: two queries rose, none fell
+    assert f"**{pooled['mean']:+.4f}**" in text and "| 2 / 1 |" in text
+    with pytest.raises(SystemExit, match="seeds 1 and 2"):
+        paired.table([f"{tmp_path / 'base1'}:{tmp_path / 'change2'}"])
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "results.json").write_text(json.dumps({"student_after": {"ndcg@10": 0.5}, "config": {}}))
+    with pytest.raises(SystemExit, match="per-query ranks"):
+        paired.table([f"{tmp_path / 'old'}:{tmp_path / 'change1'}"])
+    with pytest.raises(SystemExit, match="BASE_DIR:CHANGED_DIR"):
+        paired.table([str(tmp_path / "base1")])
