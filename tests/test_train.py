@@ -198,8 +198,8 @@ def test_two_processes_match_one_process_with_twice_the_batch(tiny_models, tiny_
     """2 processes x batch 4 follow 1 process x batch 8 (losses, weights), both phases, every loss, both modes.
 
     Phase 1 includes its in-batch similarity term, so its gather-with-gradient is covered as well as phase 2's,
-    and phase 2 keeps a cross-batch passage memory and adds the relative similarity loss; in Matryoshka mode the teacher basis computed on the main
-    process reaches every process.
+    and phase 2 keeps a cross-batch passage memory and adds the relative similarity loss; in Matryoshka mode the
+    teacher basis computed on the main process reaches every process.
     """
     two, one = tmp_path / "two", tmp_path / "one"
     common = {
