@@ -159,7 +159,7 @@ class TrainingConfig:
     resim_weight: float = _opt(
         default=0.0,
         help="Phase-2 weight of Jasper/Stella's relative similarity loss: any two of the batch's query-passage "
-        "scores keep the teacher's order by resim_margin. 0: off.",
+        "scores keep the teacher's order by resim_margin; memory grows as the global batch**4, so at most 64. 0: off.",
     )
     resim_margin: float = _opt(default=0.015, help="Cosine margin of the relative similarity loss.")
     projection_lr_scale: float = _opt(

@@ -495,6 +495,21 @@ def test_bf16_gradient_compression_is_refused_on_cpu_processes(tmp_path, monkeyp
         make_accelerator(config)
 
 
+def test_relative_similarity_refuses_a_global_batch_it_cannot_hold(tmp_path, monkeypatch):
+    """Its (scores x scores) matrices grow with the fourth power of the global batch: refused at start-up."""
+    from distill.config import build_config
+    from distill.train import make_accelerator
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # no CPU-only branch: the check comes first
+    values = {"resim_weight": 1.0, "batch_size": 40, "log_with": "none", "output_dir": str(tmp_path)}
+    with pytest.raises(DistillError, match=r"^resim_weight: .* 80x80 .* <= 64 or pass --resim_weight 0$"):
+        make_accelerator(build_config(values))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(DistillError, match=r"the 65x65 query-passage scores"):
+        make_accelerator(build_config({**values, "batch_size": 65}))
+
+
 def test_torch_compile_resumes_an_eager_checkpoint_and_trains_as_eager(
     tiny_models, tiny_data, eager_run, tmp_path, monkeypatch
 ):
