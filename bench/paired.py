@@ -5,7 +5,8 @@
 Each argument is BASE:CHANGED, the output_dirs of two runs with the same seed (so the same evaluation queries).
 For each pair it prints the change's nDCG@10 difference with a 95% paired-bootstrap interval over the queries
 (bench/quality.py's `paired_difference`), and with several pairs one interval over all their queries. On the
-demo's 867 queries one seed's interval is about +-0.0085 wide: a one-run difference smaller than that is noise.
+demo's 867 queries two distill variants' interval on one seed was about +-0.0025 to +-0.0043 wide (session 12,
+docs/QUALITY.md), narrower than distill against the peer (+-0.0085): two runs of one recipe rank queries alike.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality import _interval, paired_difference  # noqa: E402
+from quality import paired_cells, paired_difference  # noqa: E402
 
 
 def load(run: str) -> dict:
@@ -57,15 +58,11 @@ def table(pairs: list[str]) -> str:
         base_ranks += b["ranks@10"]
         lines.append(
             f"| {base_dir} | {changed_dir} | {seeds[0]} | {b['ndcg@10']:.4f} | {a['ndcg@10']:.4f} "
-            f"| {paired['mean']:+.4f} | {_interval(paired)} | {paired['better']} / {paired['worse']} "
-            f"| {reading(paired)} |"
+            f"| {paired_cells(paired)} | {reading(paired)} |"
         )
     if len(pairs) > 1:
         paired = paired_difference(changed_ranks, base_ranks)
-        lines.append(
-            f"| **pooled** | | | | | **{paired['mean']:+.4f}** | {_interval(paired)} "
-            f"| {paired['better']} / {paired['worse']} | {reading(paired)} |"
-        )
+        lines.append(f"| **pooled** | | | | | {paired_cells(paired, bold=True)} | {reading(paired)} |")
     return "\n".join(lines)
 
 

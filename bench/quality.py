@@ -245,6 +245,12 @@ def _interval(paired: dict[str, float]) -> str:
     return f"[{paired['low']:+.4f}, {paired['high']:+.4f}]"
 
 
+def paired_cells(paired: dict[str, float], bold: bool = False) -> str:
+    """The difference, its interval and the queries higher / lower, as three cells of a Markdown table row."""
+    mean = f"{paired['mean']:+.4f}"
+    return f"{f'**{mean}**' if bold else mean} | {_interval(paired)} | {paired['better']} / {paired['worse']}"
+
+
 def verdict(paired: dict[str, float]) -> str:
     interval = f"95% paired-bootstrap CI {_interval(paired)} over {paired['queries']} queries"
     if paired["low"] > 0:
@@ -283,13 +289,11 @@ def pooled_section(name: str, runs: list[str], command: str) -> str:
         theirs += b["ranks@10"]
         lines.append(
             f"| {run} | {toolkit['config'].get('seed')} | {a['ndcg@10']:.4f} | {b['ndcg@10']:.4f} "
-            f"| {paired['mean']:+.4f} | {_interval(paired)} "
-            f"| {paired['better']} / {paired['worse']} |"
+            f"| {paired_cells(paired)} |"
         )
     paired = paired_difference(ours, theirs)
     lines += [
-        f"| **pooled** | | | | **{paired['mean']:+.4f}** | {_interval(paired)} "
-        f"| {paired['better']} / {paired['worse']} |",
+        f"| **pooled** | | | | {paired_cells(paired, bold=True)} |",
         "",
         f"Pooled: {verdict(paired)}.",
         f"<!-- /quality:{name} -->",
