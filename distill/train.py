@@ -105,7 +105,8 @@ def make_accelerator(config: Config) -> Accelerator:
     t = config.training
     if t.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise DistillError("mixed_precision fp16 needs a CUDA GPU; use bf16 or no on a CPU")
-    global_batch = t.batch_size * current_world_size()
+    world = current_world_size()
+    global_batch = t.batch_size * world
     if t.resim_weight and global_batch > RESIM_MAX_GLOBAL_BATCH:
         # it compares every two of the global batch's (queries x passages) scores: (batch**2)**2 entries
         raise DistillError(
@@ -114,7 +115,7 @@ def make_accelerator(config: Config) -> Accelerator:
             f"{50 * global_batch**4 / 2**30:.1f} GiB a step; keep batch_size x processes <= {RESIM_MAX_GLOBAL_BATCH} "
             "or pass --resim_weight 0"
         )
-    if current_world_size() > 1 and not torch.cuda.is_available():
+    if world > 1 and not torch.cuda.is_available():
         # Launched as several processes on a machine without CUDA: without this, accelerate (1.x) makes each
         # process train alone; with it they form one gloo group (DistributedType.MULTI_CPU).
         os.environ["ACCELERATE_USE_CPU"] = "true"
