@@ -4,6 +4,8 @@
 the seed, the epoch and the global batch size; Accelerate (`split_batches=True`) hands each process its
 slice. So 2 processes x batch B see exactly the batches 1 process x batch 2B sees, and grouping similar
 lengths leaves little padding (about 2% against 56% for random batches on the demo data).
+With topic labels (`topic_clusters`, `--topic_cluster_size`) the groups sorted by length are clusters of
+similar pairs instead of random megabatches.
 """
 
 from __future__ import annotations
@@ -88,11 +90,21 @@ class LengthGroupedBatchSampler:
     activations first; whether that lowers peak memory is not shown: docs/BENCHMARKS.md, memory.)
     """
 
-    def __init__(self, lengths: np.ndarray, batch_size: int, seed: int, megabatch_factor: int = MEGABATCH_FACTOR):
+    def __init__(
+        self,
+        lengths: np.ndarray,
+        batch_size: int,
+        seed: int,
+        megabatch_factor: int = MEGABATCH_FACTOR,
+        topics: np.ndarray | None = None,
+    ):
         self.lengths = np.asarray(lengths)
         self.batch_size = batch_size  # global: per-process batch x number of processes
         self.seed = seed
         self.megabatch = batch_size * megabatch_factor
+        # With topics (a cluster label per sample), the groups sorted by length are the clusters instead of
+        # random megabatches, so each batch holds one topic or two: harder in-batch negatives (TAS, below).
+        self.topics = None if topics is None else np.asarray(topics)
         self.epoch = 0
         self.drop_last = True  # every step has a full batch, so in-batch negatives and equivalence hold
 
@@ -105,11 +117,15 @@ class LengthGroupedBatchSampler:
     def __iter__(self) -> Iterator[list[int]]:
         rng = np.random.default_rng([self.seed, self.epoch])
         order = rng.permutation(len(self.lengths))
-        batches = []
-        for start in range(0, len(order), self.megabatch):
-            group = order[start : start + self.megabatch]
-            group = group[np.argsort(-self.lengths[group], kind="stable")]  # longest first inside the group
-            batches += [group[i : i + self.batch_size] for i in range(0, len(group), self.batch_size)]
+        if self.topics is None:
+            groups = [order[start : start + self.megabatch] for start in range(0, len(order), self.megabatch)]
+        else:  # each cluster's samples in this epoch's random order, the clusters themselves in random order
+            shuffled = self.topics[order]
+            groups = [order[shuffled == topic] for topic in rng.permutation(np.unique(self.topics))]
+        # longest first inside each group; the groups end to end, cut into batches (clusters vary in size, so a
+        # batch may straddle two; random megabatches are whole batches, so cutting them together changes nothing)
+        stream = np.concatenate([g[np.argsort(-self.lengths[g], kind="stable")] for g in groups])
+        batches = [stream[i : i + self.batch_size] for i in range(0, len(stream), self.batch_size)]
         batches = [b for b in batches if len(b) == self.batch_size]
         order = rng.permutation(len(batches))  # groups themselves in random order,
         if len(order):  # except that the widest batch comes first (see the class doc)
@@ -117,6 +133,23 @@ class LengthGroupedBatchSampler:
             order[[0, widest]] = order[[widest, 0]]
         for index in order:
             yield batches[index].tolist()
+
+
+def topic_clusters(vectors: np.ndarray, cluster_size: int, seed: int, iterations: int = 20) -> np.ndarray:
+    """A cluster label per row: k-means (k-means++ start, seeded) on the unit vectors, about `cluster_size` a cluster.
+
+    Phase 2 with `--topic_cluster_size` builds its batches from these clusters of the teacher's pair vectors,
+    as topic-aware sampling does (TAS, Hofstatter et al., SIGIR 2021): each batch holds passages on one
+    subject or two, so the in-batch KL learns how the teacher ranks close passages, not only random ones.
+    Euclidean k-means on unit vectors groups by cosine. Costs O(rows x clusters x dim) per iteration.
+    """
+    from sklearn.cluster import KMeans  # a sentence-transformers dependency; imported only when asked for
+
+    x = np.asarray(vectors, dtype=np.float32)
+    x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+    count = max(1, min(len(x), round(len(x) / cluster_size)))
+    kmeans = KMeans(n_clusters=count, n_init=1, max_iter=iterations, random_state=seed)
+    return kmeans.fit_predict(x).astype(np.int64)
 
 
 class _Indices(Dataset):
@@ -171,9 +204,15 @@ class Phase2Batches:
         }
 
 
-def make_loader(lengths: np.ndarray, global_batch_size: int, seed: int, collate) -> DataLoader:  # noqa: ANN001
-    """A DataLoader of global length-grouped batches, ready for `accelerator.prepare`."""
-    sampler = LengthGroupedBatchSampler(lengths, global_batch_size, seed)
+def make_loader(
+    lengths: np.ndarray,
+    global_batch_size: int,
+    seed: int,
+    collate,  # noqa: ANN001
+    topics: np.ndarray | None = None,
+) -> DataLoader:
+    """A DataLoader of global length-grouped (and, given `topics`, topic-grouped) batches, for `accelerator.prepare`."""
+    sampler = LengthGroupedBatchSampler(lengths, global_batch_size, seed, topics=topics)
     return DataLoader(_Indices(len(lengths)), batch_sampler=sampler, collate_fn=collate)
 
 

@@ -110,6 +110,11 @@ class DataConfig:
     mine_hard_negatives: int = _opt(
         default=0, help="Phase 2: per query, add N negatives the teacher ranks highest (when the data has none)."
     )
+    topic_cluster_size: int = _opt(
+        default=0,
+        help="Phase 2: batches drawn from clusters of about N pairs the teacher embeds close together "
+        "(k-means on its vectors; harder in-batch negatives); 0: off.",
+    )
 
 
 @dataclass
@@ -425,6 +430,10 @@ def validate(config: Config) -> list[str]:
     if config.data.mine_hard_negatives < 0:
         problems.append(
             f"mine_hard_negatives: expected 0 (off) or a positive integer, got {config.data.mine_hard_negatives}"
+        )
+    if config.data.topic_cluster_size < 0:
+        problems.append(
+            f"topic_cluster_size: expected 0 (off) or a positive number of pairs, got {config.data.topic_cluster_size}"
         )
     if config.data.embedded_pairs_per_paragraph > 1 and config.data.phase2_data != "embedded":
         problems.append(

@@ -33,7 +33,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import DDPCommunicationHookType, TorchDynamoPlugin, broadcast_object_list, set_seed
 
 from distill.allocator import heap_allocator
-from distill.batching import Phase1Batches, Phase2Batches, TokenizedTexts, make_loader
+from distill.batching import Phase1Batches, Phase2Batches, TokenizedTexts, make_loader, topic_clusters
 from distill.checkpoint import PHASES, TrainingState, find_checkpoint, read_state
 from distill.config import Config, dump_config, load_config, to_flat_dict
 from distill.data import DistillData, Pairs, load_data
@@ -82,6 +82,7 @@ class TeacherVectors:
     queries: np.ndarray | None
     passages: np.ndarray | None  # positives, then every query's negatives
     passage_rows: np.ndarray | None  # (queries, 1 + negatives): row of each query's positive, then its negatives
+    topics: np.ndarray | None  # phase 2 with --topic_cluster_size: each pair's cluster
     evaluation: EvalVectors | None
     seconds: dict[str, float]  # teacher time spent per phase (0 on a warm cache), loading included
     loaded: bool  # whether any teacher model was loaded at all
@@ -226,7 +227,7 @@ def embed_with_teacher(accelerator: Accelerator, config: Config, data: DistillDa
     seconds = {}
     phase1 = cache.embeddings(data.phase1_texts, "document") if data.phase1_texts else None
     seconds["phase1"] = cache.seconds
-    queries = passages = rows = None
+    queries = passages = rows = topics = None
     if len(data.phase2):
         texts, rows = passage_texts(data.phase2)
         queries = cache.embeddings(data.phase2.queries, "query")
@@ -234,6 +235,10 @@ def embed_with_teacher(accelerator: Accelerator, config: Config, data: DistillDa
         if config.data.mine_hard_negatives and rows.shape[1] == 1:  # the data brings no negatives of its own
             mined = mine_hard_negatives(queries, passages, config.data.mine_hard_negatives)
             rows = np.concatenate([rows, mined], axis=1)  # negatives are other pairs' passages: nothing to encode
+        if config.data.topic_cluster_size:  # a pair is its query plus its positive passage
+            pairs = np.asarray(queries, dtype=np.float32) + np.asarray(passages[rows[:, 0]], dtype=np.float32)
+            size, seed = config.data.topic_cluster_size, config.training.seed
+            topics = main_process_array(accelerator, lambda: topic_clusters(pairs, size, seed))
     seconds["phase2"] = cache.seconds - seconds["phase1"]
     evaluation = None
     if data.evaluation is not None:
@@ -247,7 +252,7 @@ def embed_with_teacher(accelerator: Accelerator, config: Config, data: DistillDa
     loaded = cache.loaded
     cache.release()
     release_freed_memory()  # the teacher's freed weights and activations go back to the OS
-    return TeacherVectors(phase1, queries, passages, rows, evaluation, seconds, loaded, cache.load_seconds)
+    return TeacherVectors(phase1, queries, passages, rows, topics, evaluation, seconds, loaded, cache.load_seconds)
 
 
 def build_student(
@@ -348,7 +353,8 @@ def phase_loader(config: Config, student, data: DistillData, teacher: TeacherVec
         logger.warning(
             f"{phase}: {truncated} texts are longer than {max_length} tokens and were truncated", main_process_only=True
         )
-    return make_loader(lengths, global_batch, config.training.seed, collate)
+    topics = teacher.topics if phase == "phase2" else None
+    return make_loader(lengths, global_batch, config.training.seed, collate, topics)
 
 
 def phase_settings(

@@ -18,6 +18,7 @@ from distill.batching import (
     TokenizedTexts,
     make_loader,
     map_sharded,
+    topic_clusters,
 )
 
 
@@ -203,6 +204,61 @@ def test_sampler_starts_every_epoch_with_its_widest_batch() -> None:
         assert widths[1:] != sorted(widths[1:], reverse=True)  # the rest stays shuffled
         firsts.append(batches[0])
     assert len({tuple(b) for b in firsts}) > 1  # which texts form the widest batch changes with the epoch
+
+
+def planted_topics(count: int, per_topic: int, dim: int = 16, noise: float = 0.05, seed: int = 0):
+    """(unit vectors, true topic of each): `count` random directions, `per_topic` noisy copies of each, shuffled."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((count, dim))
+    truth = rng.permutation(np.repeat(np.arange(count), per_topic))
+    vectors = centres[truth] / np.linalg.norm(centres[truth], axis=1, keepdims=True)
+    vectors = vectors + noise * rng.standard_normal(vectors.shape)
+    return vectors / np.linalg.norm(vectors, axis=1, keepdims=True), truth
+
+
+def test_topic_clusters_recover_planted_topics() -> None:
+    vectors, truth = planted_topics(count=12, per_topic=40)
+    labels = topic_clusters(vectors * 3.0, cluster_size=40, seed=0)  # scale does not matter: cosine
+    assert labels.shape == (480,) and len(np.unique(labels)) == 12
+    for topic in range(12):  # every planted topic is one cluster, and no cluster mixes two topics
+        assert len(np.unique(labels[truth == topic])) == 1
+    assert np.array_equal(labels, topic_clusters(vectors * 3.0, cluster_size=40, seed=0))
+
+
+def test_topic_clusters_size_sets_the_number_of_clusters() -> None:
+    vectors, _ = planted_topics(count=4, per_topic=50)
+    assert len(np.unique(topic_clusters(vectors, cluster_size=20, seed=1))) == 10
+    assert len(np.unique(topic_clusters(vectors, cluster_size=1000, seed=1))) == 1
+
+
+def test_topic_sampler_batches_hold_one_topic_or_two() -> None:
+    topics = np.random.default_rng(3).permutation(np.repeat(np.arange(20), 48))  # 20 topics x 48 samples
+    lengths = wide_lengths(len(topics), seed=5)
+    sampler = LengthGroupedBatchSampler(lengths, 32, seed=1, topics=topics)
+    plain = LengthGroupedBatchSampler(lengths, 32, seed=1)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        plain.set_epoch(epoch)
+        batches = list(sampler)
+        assert len(batches) == len(sampler) == 30 and all(len(b) == 32 for b in batches)
+        flat = [i for b in batches for i in b]
+        assert len(set(flat)) == len(flat)
+        assert max(len(set(topics[b])) for b in batches) <= 2  # clusters end to end: a batch straddles two at most
+        assert np.mean([len(set(topics[b])) for b in plain]) > 10  # without topics a batch mixes most of them
+    sampler.set_epoch(0)
+    first = list(sampler)
+    assert first == list(LengthGroupedBatchSampler(lengths, 32, seed=1, topics=topics))
+    sampler.set_epoch(1)
+    assert list(sampler) != first  # each epoch reshuffles inside the clusters and the clusters' order
+
+
+def test_topic_sampler_keeps_lengths_grouped_inside_a_topic() -> None:
+    topics = np.repeat(np.arange(4), 256)  # clusters of 8 batches each: room to sort by length inside them
+    lengths = wide_lengths(len(topics), seed=6)
+    batches = list(LengthGroupedBatchSampler(lengths, 32, seed=0, topics=topics))
+    order = np.random.default_rng(0).permutation(len(topics))  # the same topics, batches of random members
+    same_topic = [b for t in range(4) for b in np.array_split(order[topics[order] == t], 8)]
+    assert padding_fraction(batches, lengths) < padding_fraction(same_topic, lengths) / 3
 
 
 # ---------------------------------------------------------------- collates and loader

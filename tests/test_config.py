@@ -106,6 +106,7 @@ def test_unknown_yaml_key_via_build_config() -> None:
         (["--warmup_ratio", "1.0"], r"warmup_ratio: expected a fraction in \[0, 1\)"),
         (["--weight_decay", "-1"], r"weight_decay: expected a number >= 0"),
         (["--resim_weight", "-1"], r"resim_weight: expected a number >= 0"),
+        (["--topic_cluster_size", "-8"], r"topic_cluster_size: expected 0 \(off\) or a positive number of pairs"),
         (["--ema_decay", "1"], r"ema_decay: expected a decay in \[0, 1\) such as 0\.99"),
         (["--student_num_layers", "0"], r"student_num_layers: expected a positive integer or nothing"),
         (

@@ -286,6 +286,33 @@ def test_mined_hard_negatives_join_phase_two_without_re_encoding(tiny_models, ti
     assert results_of(out)["phases"]["phase2"]["optimizer_steps"] > 0
 
 
+def test_topic_clusters_shape_phase_two_batches_only(tiny_models, tiny_data, tmp_path, monkeypatch):
+    import distill.train as train_module
+
+    clustered, loaders = [], []
+    real_clusters, real_loader = train_module.topic_clusters, train_module.make_loader
+
+    def spy_clusters(vectors, size, seed):  # noqa: ANN001, ANN202
+        labels = real_clusters(vectors, size, seed)
+        clustered.append((vectors.shape, size, seed, labels))
+        return labels
+
+    def spy_loader(lengths, global_batch, seed, collate, topics=None):  # noqa: ANN001, ANN202
+        loaders.append((len(lengths), topics))
+        return real_loader(lengths, global_batch, seed, collate, topics)
+
+    monkeypatch.setattr(train_module, "topic_clusters", spy_clusters)
+    monkeypatch.setattr(train_module, "make_loader", spy_loader)
+    out = tmp_path / "topics"
+    assert main(tiny_run_flags(tiny_models, tiny_data, out, topic_cluster_size=16)) == 0
+    train_pairs = len(Path(tiny_data["pairs"]).read_text().splitlines()) - 16  # 16 pairs are held out
+    ((shape, size, seed, labels),) = clustered  # once, for phase 2's pairs (query + positive vectors)
+    assert shape == (train_pairs, 48) and (size, seed) == (16, 7)
+    (phase1_count, phase1_topics), (phase2_count, phase2_topics) = loaders
+    assert phase1_topics is None and phase2_count == train_pairs and phase2_topics is labels
+    assert results_of(out)["phases"]["phase2"]["optimizer_steps"] > 0
+
+
 def test_projection_gets_its_own_learning_rate(tiny_models):
     from distill.student import DistillationModel, least_squares_projection, load_student
     from distill.training import make_optimizer
