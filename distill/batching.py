@@ -105,6 +105,7 @@ class LengthGroupedBatchSampler:
         # With topics (a cluster label per sample), the groups sorted by length are the clusters instead of
         # random megabatches, so each batch holds one topic or two: harder in-batch negatives (TAS, below).
         self.topics = None if topics is None else np.asarray(topics)
+        self.topic_sizes = None if topics is None else np.unique(self.topics, return_counts=True)[1]
         self.epoch = 0
         self.drop_last = True  # every step has a full batch, so in-batch negatives and equivalence hold
 
@@ -119,9 +120,9 @@ class LengthGroupedBatchSampler:
         order = rng.permutation(len(self.lengths))
         if self.topics is None:
             groups = [order[start : start + self.megabatch] for start in range(0, len(order), self.megabatch)]
-        else:  # each cluster's samples in this epoch's random order, the clusters themselves in random order
-            shuffled = self.topics[order]
-            groups = [order[shuffled == topic] for topic in rng.permutation(np.unique(self.topics))]
+        else:  # each cluster's samples in this epoch's random order (a stable sort), the clusters in random order
+            clusters = np.split(order[np.argsort(self.topics[order], kind="stable")], np.cumsum(self.topic_sizes)[:-1])
+            groups = [clusters[i] for i in rng.permutation(len(clusters))]
         # longest first inside each group; the groups end to end, cut into batches (clusters vary in size, so a
         # batch may straddle two; random megabatches are whole batches, so cutting them together changes nothing)
         stream = np.concatenate([g[np.argsort(-self.lengths[g], kind="stable")] for g in groups])

@@ -236,9 +236,13 @@ def embed_with_teacher(accelerator: Accelerator, config: Config, data: DistillDa
             mined = mine_hard_negatives(queries, passages, config.data.mine_hard_negatives)
             rows = np.concatenate([rows, mined], axis=1)  # negatives are other pairs' passages: nothing to encode
         if config.data.topic_cluster_size:  # a pair is its query plus its positive passage
-            pairs = np.asarray(queries, dtype=np.float32) + np.asarray(passages[rows[:, 0]], dtype=np.float32)
-            size, seed = config.data.topic_cluster_size, config.training.seed
-            topics = main_process_array(accelerator, lambda: topic_clusters(pairs, size, seed))
+            size, seed, positives = config.data.topic_cluster_size, config.training.seed, rows[:, 0]
+
+            def cluster() -> np.ndarray:
+                pairs = np.asarray(queries, dtype=np.float32) + np.asarray(passages[positives], dtype=np.float32)
+                return topic_clusters(pairs, size, seed)
+
+            topics = main_process_array(accelerator, cluster)
     seconds["phase2"] = cache.seconds - seconds["phase1"]
     evaluation = None
     if data.evaluation is not None:
