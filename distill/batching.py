@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 MEGABATCH_FACTOR = 32  # batches sorted together: larger groups tighter, smaller keeps more randomness
+CHUNK_MIN_SAVING = 0.05  # a further forward chunk must save this share of a batch's tokens (length_chunks)
 
 
 class TokenizedTexts:
@@ -80,6 +81,67 @@ class TokenizedTexts:
         if self.with_token_types:
             features["token_type_ids"] = torch.zeros_like(features["input_ids"])
         return features
+
+    def chunked_features(self, indices: list[int], max_chunks: int) -> dict[str, object]:
+        """These texts in at most `max_chunks` forward chunks of similar length (`length_chunks`).
+
+        {"chunks": [features, ...]} plus, when the rows were reordered, "restore": the positions that put the
+        concatenated chunk outputs back in the order of `indices` (`assemble_chunks`).
+        """
+        chunks = length_chunks(self.lengths[indices], max_chunks)
+        rows = np.asarray(indices)
+        out: dict[str, object] = {"chunks": [self.features(rows[chunk].tolist()) for chunk in chunks]}
+        if len(chunks) > 1:
+            out["restore"] = torch.from_numpy(np.argsort(np.concatenate(chunks)))
+        return out
+
+
+def assemble_chunks(outputs: list[torch.Tensor], chunked: dict[str, object]) -> torch.Tensor:
+    """The outputs of `chunked_features`' chunks, one row per text, in the order the texts were asked for."""
+    rows = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+    restore = chunked.get("restore")
+    return rows if restore is None else rows[restore]
+
+
+def length_chunks(lengths: np.ndarray, max_chunks: int, min_saving: float = CHUNK_MIN_SAVING) -> list[np.ndarray]:
+    """Positions of `lengths` in at most `max_chunks` groups of similar length that leave the least padding.
+
+    Phase 2's batches are sorted by query + passage length, so a batch's queries (or passages) alone still
+    vary: on the demo they are padded to 2.1x their real tokens. Forwarding them in a few chunks, each padded
+    to its own longest text, cuts that. The lengths are sorted longest first and cut into contiguous chunks, a
+    chunk [i, j) costing (j - i) x sorted[i] tokens; the cuts are the optimal ones (dynamic programming over
+    all cut points). Each further chunk is one more forward call, so it is taken only if it saves at least
+    `min_saving` of the batch's one-chunk tokens. One chunk keeps the rows in their given order.
+    """
+    n = len(lengths)
+    max_chunks = min(max_chunks, n)
+    if max_chunks <= 1:
+        return [np.arange(n)]
+    order = np.argsort(-np.asarray(lengths), kind="stable")
+    widths = np.append(np.asarray(lengths, dtype=np.float64)[order], 0.0)  # (n + 1,) sorted, longest first
+    starts = np.arange(n + 1)
+    rows = starts[None, :] - starts[:, None]  # rows[i, j] = j - i
+    cost = np.where(rows > 0, rows * widths[:, None], np.inf)  # tokens of the chunk [i, j) of the sorted rows
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    totals, last_cuts = [], []
+    for _ in range(max_chunks):  # best[j]: fewest tokens for the first j sorted rows in exactly c chunks
+        candidates = best[:, None] + cost
+        cut = candidates.argmin(axis=0)
+        best = candidates[cut, starts]
+        totals.append(best[n])
+        last_cuts.append(cut)
+    chunks = 1
+    while chunks < max_chunks and totals[chunks] <= totals[chunks - 1] - min_saving * totals[0]:
+        chunks += 1
+    if chunks == 1:
+        return [np.arange(n)]
+    bounds, end = [n], n
+    for c in range(chunks - 1, -1, -1):
+        end = int(last_cuts[c][end])
+        bounds.append(end)
+    bounds.reverse()
+    return [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 class LengthGroupedBatchSampler:
@@ -180,7 +242,9 @@ class Phase1Batches:
 class Phase2Batches:
     """Collate for phase 2: queries, then passages (positives, then each query's hard negatives), with teacher vectors.
 
-    `passage_rows[i]` lists the passage-text rows of query i: its positive first, then its negatives.
+    `passage_rows[i]` lists the passage-text rows of query i: its positive first, then its negatives. Queries
+    and passages each come in up to `max_chunks` forward chunks of similar length (`chunked_features`): the
+    batch is grouped by query + passage length, so either alone would otherwise be padded far more.
     """
 
     def __init__(
@@ -190,16 +254,18 @@ class Phase2Batches:
         passage_rows: np.ndarray,
         teacher_queries: np.ndarray,
         teacher_passages: np.ndarray,
+        max_chunks: int = 1,
     ):
         self.queries, self.passages, self.passage_rows = queries, passages, passage_rows
         self.teacher_queries, self.teacher_passages = teacher_queries, teacher_passages
+        self.max_chunks = max_chunks
 
     def __call__(self, indices: list[int]) -> dict[str, object]:
         rows = self.passage_rows[indices]  # (batch, 1 + negatives)
         passage_indices = np.concatenate([rows[:, 0], rows[:, 1:].reshape(-1)]).tolist()
         return {
-            "queries": self.queries.features(indices),
-            "passages": self.passages.features(passage_indices),
+            "queries": self.queries.chunked_features(indices, self.max_chunks),
+            "passages": self.passages.chunked_features(passage_indices, self.max_chunks),
             "teacher_queries": torch.from_numpy(np.asarray(self.teacher_queries[indices], dtype=np.float32)),
             "teacher_passages": torch.from_numpy(np.asarray(self.teacher_passages[passage_indices], dtype=np.float32)),
         }

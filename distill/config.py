@@ -142,6 +142,11 @@ class TrainingConfig:
         help="Pad each training batch to a multiple of N tokens (at most max_seq_length); 8 suits tensor cores and "
         "lowers peak RSS on CPU at some speed cost (docs/BENCHMARKS.md); 1: to the batch's longest text.",
     )
+    forward_chunks: int = _opt(
+        default=4,
+        help="Phase 2: forward a batch's queries, and its passages, in up to N chunks of similar length, each "
+        "padded to its own longest text (a further chunk only where it saves 5 percent of the tokens); 1: one batch.",
+    )
     temperature: float = _opt(default=0.05, help="Phase-2 softmax temperature of the similarity distillation.")
     cosine_weight: float = _opt(default=1.0, help="Weight of the (1 - cosine) alignment loss.")
     mse_weight: float = _opt(default=1.0, help="Weight of the squared-distance alignment loss.")
@@ -412,6 +417,7 @@ def validate(config: Config) -> list[str]:
         "max_eval_queries": config.data.max_eval_queries,
         "embedded_pairs_per_paragraph": config.data.embedded_pairs_per_paragraph,
         "pad_to_multiple_of": config.training.pad_to_multiple_of,
+        "forward_chunks": config.training.forward_chunks,
     }
     for name, value in positive.items():
         if not value > 0:

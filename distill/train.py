@@ -350,7 +350,8 @@ def phase_loader(config: Config, student, data: DistillData, teacher: TeacherVec
     else:
         passages, rows = passage_texts(data.phase2)[0], teacher.passage_rows
         queries, passage_tokens = tokenize(data.phase2.queries), tokenize(passages)
-        collate = Phase2Batches(queries, passage_tokens, rows, teacher.queries, teacher.passages)
+        chunks = config.training.forward_chunks
+        collate = Phase2Batches(queries, passage_tokens, rows, teacher.queries, teacher.passages, chunks)
         lengths = queries.lengths + passage_tokens.lengths[rows].sum(axis=1)
         truncated = queries.truncated + passage_tokens.truncated
     if truncated:

@@ -28,6 +28,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from distill.batching import assemble_chunks
 from distill.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from distill.errors import DistillError
 from distill.losses import LossWeights, alignment_loss, relative_similarity_loss, similarity_kl_loss
@@ -243,7 +244,10 @@ def phase_loss(
         phase1_weights = replace(weights, kl=weights.phase1_kl)
         similarity = similarity_kl_loss(texts, texts, teacher, teacher, phase1_weights, dims, exclude_self=True)
         return loss + accelerator.num_processes * similarity, (loss + similarity).detach()
-    (_, queries), (_, passages) = model(batch["queries"], batch["passages"])
+    query_chunks, passage_chunks = batch["queries"]["chunks"], batch["passages"]["chunks"]
+    outputs = [target for _, target in model(*query_chunks, *passage_chunks)]  # one forward call for DDP
+    queries = assemble_chunks(outputs[: len(query_chunks)], batch["queries"])  # (batch, dim)
+    passages = assemble_chunks(outputs[len(query_chunks) :], batch["passages"])  # (batch x (1 + negatives), dim)
     alignment = 0.5 * (
         alignment_loss(queries, batch["teacher_queries"], weights, dims)
         + alignment_loss(passages, batch["teacher_passages"], weights, dims)

@@ -16,6 +16,8 @@ from distill.batching import (
     Phase1Batches,
     Phase2Batches,
     TokenizedTexts,
+    assemble_chunks,
+    length_chunks,
     make_loader,
     map_sharded,
     topic_clusters,
@@ -300,8 +302,81 @@ def test_phase2_collate_orders_positives_then_negatives(student: SentenceTransfo
     # positives of the batch's queries first, then each query's negatives in query order
     expected_rows = [2, 0, 8, 9, 4, 5]
     assert batch["teacher_passages"][:, 0].tolist() == [float(r) for r in expected_rows]
-    assert_same_features(batch["passages"], model_features(student, [passages[r] for r in expected_rows]))
-    assert_same_features(batch["queries"], model_features(student, [queries[2], queries[0]]))
+    assert batch["passages"].keys() == {"chunks"} and len(batch["passages"]["chunks"]) == 1  # one chunk by default
+    assert_same_features(batch["passages"]["chunks"][0], model_features(student, [passages[r] for r in expected_rows]))
+    assert_same_features(batch["queries"]["chunks"][0], model_features(student, [queries[2], queries[0]]))
+
+
+# ---------------------------------------------------------------- forward chunks of similar length
+
+
+def brute_force_tokens(lengths: np.ndarray, chunks: int) -> int:
+    """Fewest padded tokens of any split of the sorted lengths into exactly `chunks` contiguous groups."""
+    from itertools import combinations
+
+    s = np.sort(lengths)[::-1]
+    best = None
+    for cuts in combinations(range(1, len(s)), chunks - 1):
+        bounds = [0, *cuts, len(s)]
+        tokens = sum((b - a) * int(s[a]) for a, b in zip(bounds[:-1], bounds[1:]))
+        best = tokens if best is None else min(best, tokens)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_length_chunks_pad_as_little_as_any_split(seed: int) -> None:
+    lengths = np.random.default_rng(seed).integers(3, 120, size=11)
+    for max_chunks in (2, 3):
+        chunks = length_chunks(lengths, max_chunks, min_saving=0.0)
+        assert sorted(np.concatenate(chunks).tolist()) == list(range(len(lengths)))  # every row once
+        tokens = sum(len(c) * int(lengths[c].max()) for c in chunks)
+        assert tokens == brute_force_tokens(lengths, len(chunks))
+        assert len(chunks) == max_chunks  # with no saving required, every allowed chunk is used
+        assert tokens <= min(brute_force_tokens(lengths, c) for c in range(1, max_chunks + 1))
+
+
+def test_length_chunks_split_only_where_it_saves_enough() -> None:
+    alike = np.array([40, 41, 39, 40, 42, 40, 38, 41])  # one chunk pads 5% at most: no split
+    assert [c.tolist() for c in length_chunks(alike, 4)] == [list(range(8))]  # one chunk keeps the given order
+    two_kinds = np.array([100, 10, 98, 12, 11, 99, 10, 100])  # two chunks halve the tokens; a third saves < 5%
+    chunks = length_chunks(two_kinds, 4)
+    assert sorted(sorted(c.tolist()) for c in chunks) == [[0, 2, 5, 7], [1, 3, 4, 6]]
+    assert length_chunks(two_kinds, 1)[0].tolist() == list(range(8))
+    assert [c.tolist() for c in length_chunks(np.array([7]), 4)] == [[0]]
+
+
+def test_chunked_features_reassemble_in_the_asked_order(student: SentenceTransformer) -> None:
+    texts = texts_with_long_ones()
+    tokenized = TokenizedTexts(student.tokenizer, texts, student.max_seq_length)
+    indices = [21, 0, 23, 20, 5, 22, 1]  # long and short texts interleaved
+    chunked = tokenized.chunked_features(indices, max_chunks=3)
+    assert len(chunked["chunks"]) > 1
+    padded = sum(f["input_ids"].numel() for f in chunked["chunks"])
+    assert padded < tokenized.features(indices)["input_ids"].numel()
+    student.eval()
+    with torch.no_grad():
+        parts = [student(dict(f))["sentence_embedding"] for f in chunked["chunks"]]
+        whole = student(dict(tokenized.features(indices)))["sentence_embedding"]
+    # the same vectors, row for row, as one padded batch (padding changes nothing but float rounding)
+    torch.testing.assert_close(assemble_chunks(parts, chunked), whole, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(assemble_chunks(parts, {"chunks": parts}), whole, atol=1e-3)  # order did move
+
+
+def test_phase2_collate_chunks_queries_and_passages_by_length(student: SentenceTransformer) -> None:
+    queries = ["short one.", " ".join(["a much longer query about the river and the king"] * 4), "tiny.", "x y."]
+    passages = [" ".join([f"passage {i} about war and state and film"] * (1 + 5 * (i % 2))) for i in range(4)]
+    tokenized_queries = TokenizedTexts(student.tokenizer, queries, 64)
+    tokenized_passages = TokenizedTexts(student.tokenizer, passages, 64)
+    rows = np.arange(4)[:, None]
+    teacher = np.eye(4, dtype=np.float16)
+    batch = Phase2Batches(tokenized_queries, tokenized_passages, rows, teacher, teacher, max_chunks=4)([0, 1, 2, 3])
+    for name, texts in (("queries", queries), ("passages", passages)):
+        chunked = batch[name]
+        assert len(chunked["chunks"]) > 1, name
+        ids = torch.cat([f["input_ids"][:, :3] for f in chunked["chunks"]])[chunked["restore"]]
+        expected = model_features(student, texts)["input_ids"][:, :3]
+        assert torch.equal(ids, expected.long()), name  # restore puts each text back in its row
+    assert batch["teacher_queries"].tolist() == teacher.astype(np.float32).tolist()  # teacher rows not reordered
 
 
 def test_map_sharded_returns_rows_in_input_order(accelerator: Accelerator) -> None:

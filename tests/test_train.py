@@ -612,6 +612,33 @@ def test_rounded_batch_widths_change_no_loss(tiny_models, tiny_data, eager_run, 
     assert_same_losses(out, eager_run, atol=1e-5)
 
 
+def test_forward_chunks_change_no_loss(tiny_models, tiny_data, eager_run, tmp_path, monkeypatch):
+    """Phase 2 in length chunks trains the same as one padded batch (to float rounding); 1 chunk is the old path."""
+    from distill.batching import TokenizedTexts
+
+    chunk_counts = []
+    chunked_features = TokenizedTexts.chunked_features
+
+    def recorded(self, indices, max_chunks):  # noqa: ANN001, ANN202
+        out = chunked_features(self, indices, max_chunks)
+        chunk_counts.append((max_chunks, len(out["chunks"])))
+        return out
+
+    monkeypatch.setattr(TokenizedTexts, "chunked_features", recorded)
+    out = tmp_path / "one_chunk"
+    assert main(option_run_flags(tiny_models, tiny_data, out, eager_run.parent / "cache", forward_chunks=1)) == 0
+    assert chunk_counts and all(count == 1 for _, count in chunk_counts)
+    assert {allowed for allowed, _ in chunk_counts} == {1}
+    # the default run (eager_run, 4 chunks allowed) split some of its batches: same data, so record them too
+    chunk_counts.clear()
+    reset_accelerate()
+    again = tmp_path / "default"
+    assert main(option_run_flags(tiny_models, tiny_data, again, eager_run.parent / "cache")) == 0
+    assert any(count > 1 for _, count in chunk_counts) and all(allowed == 4 for allowed, _ in chunk_counts)
+    assert_same_losses(again, eager_run)  # deterministic
+    assert_same_losses(out, eager_run, atol=1e-5)
+
+
 GRADIENT_COMPRESSION_RUN = """
 import os
 import sys
