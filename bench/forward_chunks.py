@@ -1,0 +1,98 @@
+"""Phase 2's step time with a batch's queries and passages forwarded whole or in length chunks (`--forward_chunks`).
+
+    python bench/forward_chunks.py --steps 30 --repeats 3 --chunks 1,4
+
+Times the first `--steps` phase-2 batches of the demo (its 4,980 inverse-cloze pairs, seed 42, batch 32, the
+toolkit's own sampler and collate) through the demo's student (all-MiniLM-L6-v2 cut to 3 layers, attention
+dropout 0, as trained): forward of queries and passages, the in-batch similarity loss, backward, AdamW step.
+Each repeat runs every setting once, in turn, so a machine that speeds up or slows down shows as spread, not as
+a difference. Prints a markdown table (median of the repeats, min-max) with the padding of each setting, the
+machine, the versions and the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quality import machine, versions  # noqa: E402
+
+from distill import embedded  # noqa: E402
+from distill.batching import LengthGroupedBatchSampler, Phase2Batches, TokenizedTexts, assemble_chunks  # noqa: E402
+from distill.student import load_student  # noqa: E402
+
+MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def step(student, optimizer, batch: dict) -> None:  # noqa: ANN001
+    """One phase-2 optimizer step: queries and passages (chunked as the collate made them), loss, backward, step."""
+    parts = [*batch["queries"]["chunks"], *batch["passages"]["chunks"]]
+    outputs = [student(dict(features))["sentence_embedding"] for features in parts]
+    count = len(batch["queries"]["chunks"])
+    queries = assemble_chunks(outputs[:count], batch["queries"])  # (batch, dim)
+    passages = assemble_chunks(outputs[count:], batch["passages"])
+    scores = queries @ passages.T / 0.05
+    labels = torch.arange(len(queries))
+    loss = torch.nn.functional.cross_entropy(scores, labels) + (1 - (queries * passages).sum(1)).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30, help="phase-2 batches timed per setting and repeat")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--chunks", default="1,4", help="comma-separated --forward_chunks settings")
+    args = parser.parse_args()
+    settings = [int(c) for c in args.chunks.split(",")]
+    torch.manual_seed(42)
+    student = load_student(MODEL, num_layers=3, max_seq_length=128, attention_dropout=0.0)
+    student.train()
+    optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=5e-5)
+    queries, passages = embedded.inverse_cloze_pairs(embedded.train_articles(), 42, 2)
+    tokenized_queries = TokenizedTexts(student.tokenizer, queries, 128)
+    tokenized_passages = TokenizedTexts(student.tokenizer, passages, 128)
+    lengths = tokenized_queries.lengths + tokenized_passages.lengths
+    batches = list(LengthGroupedBatchSampler(lengths, 32, 42))[: args.steps]
+    rows, unit = np.arange(len(queries))[:, None], np.zeros((len(queries), 1), dtype=np.float16)
+    collates = {c: Phase2Batches(tokenized_queries, tokenized_passages, rows, unit, unit, c) for c in settings}
+    collated = {c: [collates[c](b) for b in batches] for c in settings}
+    real = sum(int(lengths[b].sum()) for b in batches)
+    seconds: dict[int, list[float]] = {c: [] for c in settings}
+    step(student, optimizer, collated[settings[0]][0])  # warm-up: first-call allocations
+    for _ in range(args.repeats):
+        for c in settings:
+            started = time.perf_counter()
+            for batch in collated[c]:
+                step(student, optimizer, batch)
+            seconds[c].append(time.perf_counter() - started)
+    command = f"python bench/forward_chunks.py --steps {args.steps} --repeats {args.repeats} --chunks {args.chunks}"
+    print(f"Command: `{command}`  ")
+    print(f"Machine: {machine()}  \nVersions: {versions()}\n")
+    first = f"vs {settings[0]} chunk{'s' if settings[0] > 1 else ''}"
+    print(f"| --forward_chunks | forward calls per step | padded tokens per real one | seconds per step | {first} |")
+    print("|---|---|---|---|---|")
+    base = statistics.median(seconds[settings[0]])
+    for c in settings:
+        calls = sum(len(b["queries"]["chunks"]) + len(b["passages"]["chunks"]) for b in collated[c]) / len(batches)
+        padded = sum(
+            f["input_ids"].numel() for b in collated[c] for f in [*b["queries"]["chunks"], *b["passages"]["chunks"]]
+        )
+        per_step = [s / len(batches) for s in seconds[c]]
+        median = statistics.median(seconds[c])
+        print(
+            f"| {c} | {calls:.2f} | {padded / real:.3f} | {statistics.median(per_step):.3f} "
+            f"({min(per_step):.3f}-{max(per_step):.3f}) | {median / base:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
