@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 MEGABATCH_FACTOR = 32  # batches sorted together: larger groups tighter, smaller keeps more randomness
 CHUNK_MIN_SAVING = 0.05  # a further forward chunk must save this share of a batch's tokens (length_chunks)
+MAX_CUT_POINTS = 256  # length_chunks considers at most this many cut points: O(points^2) work per chunk
 
 
 class TokenizedTexts:
@@ -110,38 +111,42 @@ def length_chunks(lengths: np.ndarray, max_chunks: int, min_saving: float = CHUN
     vary: on the demo they are padded to 2.1x their real tokens. Forwarding them in a few chunks, each padded
     to its own longest text, cuts that. The lengths are sorted longest first and cut into contiguous chunks, a
     chunk [i, j) costing (j - i) x sorted[i] tokens; the cuts are the optimal ones (dynamic programming over
-    all cut points). Each further chunk is one more forward call, so it is taken only if it saves at least
-    `min_saving` of the batch's one-chunk tokens. One chunk keeps the rows in their given order.
+    all cut points; above `MAX_CUT_POINTS` rows, cuts only every ceil(rows / MAX_CUT_POINTS) rows, so the work
+    stays bounded for large GPU batches). Each further chunk is one more forward call, so it is taken only if it
+    saves at least `min_saving` of the batch's one-chunk tokens. One chunk keeps the rows in their given order.
     """
     n = len(lengths)
     max_chunks = min(max_chunks, n)
     if max_chunks <= 1:
         return [np.arange(n)]
     order = np.argsort(-np.asarray(lengths), kind="stable")
-    widths = np.append(np.asarray(lengths, dtype=np.float64)[order], 0.0)  # (n + 1,) sorted, longest first
-    starts = np.arange(n + 1)
-    rows = starts[None, :] - starts[:, None]  # rows[i, j] = j - i
-    cost = np.where(rows > 0, rows * widths[:, None], np.inf)  # tokens of the chunk [i, j) of the sorted rows
-    best = np.full(n + 1, np.inf)
+    sorted_lengths = np.append(np.asarray(lengths, dtype=np.float64)[order], 0.0)  # (n + 1,) longest first
+    points = np.append(np.arange(0, n, -(-n // MAX_CUT_POINTS)), n)  # where a chunk may start or end
+    starts = np.arange(len(points))
+    rows = points[None, :] - points[:, None]  # rows[i, j]: rows from cut point i to cut point j
+    cost = np.where(rows > 0, rows * sorted_lengths[points][:, None], np.inf)  # tokens of that chunk
+    best = np.full(len(points), np.inf)
     best[0] = 0.0
+    last = len(points) - 1  # the cut point at the batch's end
     totals, last_cuts = [], []
-    for _ in range(max_chunks):  # best[j]: fewest tokens for the first j sorted rows in exactly c chunks
+    max_chunks = min(max_chunks, last)
+    for _ in range(max_chunks):  # best[j]: fewest tokens up to cut point j in exactly c chunks
         candidates = best[:, None] + cost
         cut = candidates.argmin(axis=0)
         best = candidates[cut, starts]
-        totals.append(best[n])
+        totals.append(best[last])
         last_cuts.append(cut)
     chunks = 1
     while chunks < max_chunks and totals[chunks] <= totals[chunks - 1] - min_saving * totals[0]:
         chunks += 1
     if chunks == 1:
         return [np.arange(n)]
-    bounds, end = [n], n
+    bounds, end = [last], last
     for c in range(chunks - 1, -1, -1):
         end = int(last_cuts[c][end])
         bounds.append(end)
-    bounds.reverse()
-    return [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    cuts = points[bounds[::-1]]
+    return [order[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
 
 
 class LengthGroupedBatchSampler:

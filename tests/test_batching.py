@@ -345,6 +345,19 @@ def test_length_chunks_split_only_where_it_saves_enough() -> None:
     assert [c.tolist() for c in length_chunks(np.array([7]), 4)] == [[0]]
 
 
+def test_length_chunks_of_a_large_batch_cut_on_a_coarser_grid() -> None:
+    from distill.batching import MAX_CUT_POINTS
+
+    lengths = np.random.default_rng(7).integers(4, 129, size=4 * MAX_CUT_POINTS + 3)  # 1,027 rows: every 5th cut
+    chunks = length_chunks(lengths, 4)
+    assert 1 < len(chunks) <= 4
+    assert sorted(np.concatenate(chunks).tolist()) == list(range(len(lengths)))
+    step = -(-len(lengths) // MAX_CUT_POINTS)
+    assert all(len(c) % step == 0 for c in chunks[:-1])  # chunks start and end on the grid (the last at the end)
+    tokens = sum(len(c) * int(lengths[c].max()) for c in chunks)
+    assert tokens < 0.75 * len(lengths) * int(lengths.max())
+
+
 def test_chunked_features_reassemble_in_the_asked_order(student: SentenceTransformer) -> None:
     texts = texts_with_long_ones()
     tokenized = TokenizedTexts(student.tokenizer, texts, student.max_seq_length)
