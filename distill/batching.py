@@ -116,8 +116,7 @@ def length_chunks(lengths: np.ndarray, max_chunks: int, min_saving: float = CHUN
     saves at least `min_saving` of the batch's one-chunk tokens. One chunk keeps the rows in their given order.
     """
     n = len(lengths)
-    max_chunks = min(max_chunks, n)
-    if max_chunks <= 1:
+    if min(max_chunks, n) <= 1:
         return [np.arange(n)]
     order = np.argsort(-np.asarray(lengths), kind="stable")
     sorted_lengths = np.append(np.asarray(lengths, dtype=np.float64)[order], 0.0)  # (n + 1,) longest first
@@ -129,7 +128,7 @@ def length_chunks(lengths: np.ndarray, max_chunks: int, min_saving: float = CHUN
     best[0] = 0.0
     last = len(points) - 1  # the cut point at the batch's end
     totals, last_cuts = [], []
-    max_chunks = min(max_chunks, last)
+    max_chunks = min(max_chunks, last)  # no more chunks than cut intervals (rows, up to MAX_CUT_POINTS)
     for _ in range(max_chunks):  # best[j]: fewest tokens up to cut point j in exactly c chunks
         candidates = best[:, None] + cost
         cut = candidates.argmin(axis=0)

@@ -12,6 +12,7 @@ from sentence_transformers import SentenceTransformer
 
 from conftest import sentences
 from distill.batching import (
+    MAX_CUT_POINTS,
     LengthGroupedBatchSampler,
     Phase1Batches,
     Phase2Batches,
@@ -346,8 +347,6 @@ def test_length_chunks_split_only_where_it_saves_enough() -> None:
 
 
 def test_length_chunks_of_a_large_batch_cut_on_a_coarser_grid() -> None:
-    from distill.batching import MAX_CUT_POINTS
-
     lengths = np.random.default_rng(7).integers(4, 129, size=4 * MAX_CUT_POINTS + 3)  # 1,027 rows: every 5th cut
     chunks = length_chunks(lengths, 4)
     assert 1 < len(chunks) <= 4
