@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -136,8 +137,14 @@ def test_sigkill_then_resume_reaches_the_uninterrupted_weights(
     argv = flags(tiny_models, tiny_data, out, tmp_path / "cache")
     process = start(command(num_processes, argv))
     checkpoint = wait_for_checkpoint(out, phase, process)
+    workers = training_processes(process)
     os.killpg(process.pid, signal.SIGKILL)  # the launcher and every rank, with no chance to clean up
+    for worker in workers:  # a rank outside the launcher's group would train on and rotate checkpoints away
+        with contextlib.suppress(psutil.NoSuchProcess):
+            worker.kill()
     process.wait(timeout=60)
+    _, alive = psutil.wait_procs(workers, timeout=60)
+    assert not alive, f"ranks still running after SIGKILL: {alive}"
     assert not (out / "results.json").exists(), "the run finished before it was killed"
     assert checkpoint.is_dir()
     finish(command(num_processes, [*argv, "--resume_from_checkpoint", "latest"]))
