@@ -138,8 +138,10 @@ def test_sigkill_then_resume_reaches_the_uninterrupted_weights(
     process = start(command(num_processes, argv))
     checkpoint = wait_for_checkpoint(out, phase, process)
     workers = training_processes(process)
-    os.killpg(process.pid, signal.SIGKILL)  # the launcher and every rank, with no chance to clean up
-    for worker in workers:  # a rank outside the launcher's group would train on and rotate checkpoints away
+    os.killpg(process.pid, signal.SIGKILL)  # the launcher, with no chance to clean up
+    # torch elastic starts each rank in its own session (start_new_session), out of reach of killpg: left alive,
+    # the ranks train on and rotate the latest checkpoint away before the resumed run loads it
+    for worker in workers:
         with contextlib.suppress(psutil.NoSuchProcess):
             worker.kill()
     process.wait(timeout=60)
