@@ -122,12 +122,16 @@ def run_peer(config, output_dir: Path, args: argparse.Namespace, budget_s: float
     from distill.train import embed_with_teacher, eval_inputs, passage_texts
 
     accelerator = Accelerator()
-    data = load_data(config.data, config.training.seed)
+    # the texts the toolkit trains on: a skipped phase brings none
+    skip = config.training
+    data = load_data(config.data, config.training.seed, not skip.skip_phase1, not skip.skip_phase2)
     teacher = embed_with_teacher(accelerator, config, data)  # cache hits: the toolkit run encoded these texts
     student = load_student(config.model.student_model, config.model.student_num_layers, config.model.max_seq_length)
     student_dim = embedding_dim(student)
     texts = data.phase1_texts + data.phase2.queries + passage_texts(data.phase2)[0]
-    labels = np.concatenate([teacher.phase1, teacher.queries, teacher.passages]).astype(np.float32)
+    labels = np.concatenate([v for v in (teacher.phase1, teacher.queries, teacher.passages) if v is not None]).astype(
+        np.float32
+    )
     if config.model.use_projection:
         loss = losses.EmbedDistillLoss(student, distance_metric=distance, projection_dim=labels.shape[1])
         recipe = f"EmbedDistillLoss(distance_metric={distance!r}, projection_dim={labels.shape[1]})"

@@ -101,6 +101,11 @@ class DataConfig:
         help="Evaluation: 'auto' (held-out phase-2 pairs, or the embedded set), 'embedded', or 'none'.",
     )
     max_samples_phase1: int = _opt(default=100000, help="Cap on phase-1 texts.")
+    embedded_lee_background: bool = _opt(
+        default=False,
+        help="Embedded phase-1 data: add the 2,609 Lee background news sentences after the Wikipedia ones "
+        "(the cap counts them too).",
+    )
     max_samples_phase2: int = _opt(default=500000, help="Cap on phase-2 pairs.")
     embedded_pairs_per_paragraph: int = _opt(
         default=1,
@@ -445,6 +450,11 @@ def validate(config: Config) -> list[str]:
         problems.append(
             "embedded_pairs_per_paragraph: only the embedded phase-2 data is built from paragraphs; "
             "drop the flag or pass --phase2_data embedded"
+        )
+    if config.data.embedded_lee_background and config.data.phase1_data != "embedded":
+        problems.append(
+            "embedded_lee_background: the Lee background sentences are added to the embedded phase-1 data only; "
+            "drop the flag or pass --phase1_data embedded"
         )
     if config.training.projection_warmup_steps < 0:
         steps = config.training.projection_warmup_steps

@@ -62,7 +62,11 @@ class DistillData:
 
 def load_data(config: DataConfig, seed: int, need_phase1: bool = True, need_phase2: bool = True) -> DistillData:
     """Everything the run trains and evaluates on, cleaned and capped."""
-    phase1 = load_phase1_texts(config.phase1_data, config.max_samples_phase1) if need_phase1 else []
+    phase1 = (
+        load_phase1_texts(config.phase1_data, config.max_samples_phase1, config.embedded_lee_background)
+        if need_phase1
+        else []
+    )
     holdout = 0
     if config.eval_data == "auto" and config.phase2_data != EMBEDDED:
         holdout = config.max_eval_queries
@@ -86,9 +90,19 @@ def load_data(config: DataConfig, seed: int, need_phase1: bool = True, need_phas
     return DistillData(phase1, phase2, evaluation)
 
 
-def load_phase1_texts(source: str, max_samples: int) -> list[str]:
+def load_phase1_texts(source: str, max_samples: int, lee_background: bool = False) -> list[str]:
     if source == EMBEDDED:
         texts = embedded.wikipedia_sentences(embedded.train_articles())
+        if lee_background:
+            texts = clean_texts(texts, f"phase-1 data {source!r} (Wikipedia)")
+            wikipedia = len(texts)
+            if max_samples <= wikipedia:
+                raise DistillError(
+                    f"embedded_lee_background: max_samples_phase1 {max_samples} is not above the {wikipedia} "
+                    "embedded Wikipedia sentences, which come first, so no Lee background sentence would be "
+                    f"trained on; raise --max_samples_phase1 above {wikipedia} or drop --embedded_lee_background"
+                )
+            texts = texts + embedded.lee_background()
     else:
         records = read_records(source, max_samples)
         column = pick_column(records, TEXT_COLUMNS, source, "phase-1 text", allow_single=True)

@@ -132,6 +132,10 @@ def test_unknown_yaml_key_via_build_config() -> None:
             ["--phase2_data", "pairs.jsonl", "--embedded_pairs_per_paragraph", "2"],
             r"embedded_pairs_per_paragraph: only the embedded phase-2 data .*; drop the flag or pass --phase2_data",
         ),
+        (
+            ["--phase1_data", "texts.txt", "--embedded_lee_background", "True"],
+            r"embedded_lee_background: .* embedded phase-1 data only; drop the flag or pass --phase1_data embedded",
+        ),
     ],
 )
 def test_invalid_values_are_rejected(argv: list[str], message: str) -> None:

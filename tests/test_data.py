@@ -375,6 +375,19 @@ def test_embedded_phase_loaders() -> None:
     assert len(load_pairs("embedded", 10, seed=0, embedded_per_paragraph=2)) == 2 * len(pairs)
 
 
+def test_embedded_lee_background_comes_after_the_wikipedia_sentences() -> None:
+    wikipedia = load_phase1_texts("embedded", 100_000)
+    both = load_phase1_texts("embedded", 100_000, lee_background=True)
+    lee = set(" ".join(s.split()) for s in embedded.lee_background())
+    assert both[: len(wikipedia)] == wikipedia
+    added = both[len(wikipedia) :]
+    assert len(added) > 2000 and set(added) <= lee and len(set(both)) == len(both)
+    assert len(set(added) | (lee & set(wikipedia))) == len(lee)  # every Lee sentence is in, once
+    assert load_phase1_texts("embedded", len(wikipedia) + 5, lee_background=True) == both[: len(wikipedia) + 5]
+    with pytest.raises(DistillError, match=rf"max_samples_phase1 {len(wikipedia)} is not above the {len(wikipedia)} "):
+        load_phase1_texts("embedded", len(wikipedia), lee_background=True)
+
+
 def test_embedded_eval_set_points_at_the_right_passages() -> None:
     evaluation = embedded_eval_set(seed=2, max_queries=40)
     queries, passages = embedded.inverse_cloze_pairs(embedded.eval_articles(), seed=2)
