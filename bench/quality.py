@@ -305,6 +305,19 @@ def pooled_section(name: str, runs: list[str], command: str) -> str:
     return "\n".join(lines)
 
 
+def trained(phases: dict) -> str:
+    """The phases a toolkit run trained, from its results.json."""
+    return "two phases" if len(phases) == 2 else f"{', '.join(phases).replace('phase', 'phase ')} only"
+
+
+def peer_texts(phases: dict) -> str:
+    """What the peer trained on: the texts of the phases the toolkit ran."""
+    parts = (["phase-1 texts"] if "phase1" in phases else []) + (
+        ["phase-2 queries + passages"] if "phase2" in phases else []
+    )
+    return " + ".join(parts)
+
+
 def _fmt(value: object) -> str:
     return f"{value:.3f}" if isinstance(value, float) else ("–" if value is None else str(value))
 
@@ -333,7 +346,7 @@ def section(name: str, toolkit: dict, peers: list[dict], command: str, toolkit_s
     rows = [
         ("teacher", toolkit["teacher"], None, None),
         ("student, untrained", toolkit["student_before"], None, None),
-        ("**distill** (two phases)", after, toolkit_train, toolkit_samples),
+        (f"**distill** ({trained(phases)})", after, toolkit_train, toolkit_samples),
     ]
     rows += [(f"peer: {p['recipe']}", p["student_after"], p["train_seconds"], p["train_samples"]) for p in peers]
     lines = [
@@ -347,7 +360,8 @@ def section(name: str, toolkit: dict, peers: list[dict], command: str, toolkit_s
         "(`make quality` preloads tcmalloc when installed)  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
         + (
-            f"the toolkit run took {toolkit_seconds:.0f} s in all (data, teacher cache, evaluations, both phases)."
+            f"the toolkit run took {toolkit_seconds:.0f} s in all (data, teacher cache, evaluations, "
+            f"{trained(phases)})."
             if toolkit_seconds == toolkit_seconds
             else f"toolkit figures taken from the finished run {toolkit.get('config', {}).get('output_dir')} "
             "(same config; not re-trained by this command)."
@@ -377,7 +391,7 @@ def section(name: str, toolkit: dict, peers: list[dict], command: str, toolkit_s
     lines += [
         "",
         f"distill − best peer: {margin:+.4f} nDCG@10 ({judged}). Each peer trained on the same "
-        f"{peer['texts_available']} texts (phase-1 texts + phase-2 queries + passages, labels from the same teacher "
+        f"{peer['texts_available']} texts ({peer_texts(phases)}, labels from the same teacher "
         f"cache), lr {peer['lr']}, batch as the config, stopped by the time budget of {peer['budget_s']} s: "
         f"{peer['stopped_by_budget']}.",
         f"<!-- /quality:{name} -->",

@@ -77,3 +77,32 @@ def test_paired_runs_table_per_seed_and_pooled(tmp_path: Path) -> None:
         paired.table([f"{tmp_path / 'old'}:{tmp_path / 'change1'}"])
     with pytest.raises(SystemExit, match="BASE_DIR:CHANGED_DIR"):
         paired.table([str(tmp_path / "base1")])
+
+
+def test_section_names_the_phases_the_toolkit_trained() -> None:
+    metrics = {"ndcg@10": 0.5, "mrr@10": 0.4, "ranks@10": [0, 1, -1, 2]}
+    peer = {
+        "recipe": "SentenceTransformerTrainer + losses.MSELoss",
+        "student_after": {"ndcg@10": 0.45, "mrr@10": 0.4, "ranks@10": [1, 1, -1, 3]},
+        "train_seconds": 10.0,
+        "train_samples": 64,
+        "texts_available": 100,
+        "lr": 1e-4,
+        "budget_s": 10.0,
+        "stopped_by_budget": True,
+    }
+
+    def text(phases: dict) -> str:
+        toolkit = {
+            "mode": "matryoshka",
+            "teacher": metrics,
+            "student_before": metrics,
+            "student_after": metrics,
+            "phases": {p: {"train_seconds": 5.0, "train_samples": 32} for p in phases},
+        }
+        return quality.section("x", toolkit, [peer], "python bench/quality.py", 12.0)
+
+    both, first = text(["phase1", "phase2"]), text(["phase1"])
+    assert "**distill** (two phases)" in both and "(phase-1 texts + phase-2 queries + passages," in both
+    assert "**distill** (phase 1 only)" in first and "(phase-1 texts, labels" in first and "phase-2" not in first
+    assert "| 5.000 | 32 |" in first and "| 10.000 | 64 |" in both  # the toolkit row: its one phase; the peer row
