@@ -123,8 +123,8 @@ def run_peer(config, output_dir: Path, args: argparse.Namespace, budget_s: float
 
     accelerator = Accelerator()
     # the texts the toolkit trains on: a skipped phase brings none
-    skip = config.training
-    data = load_data(config.data, config.training.seed, not skip.skip_phase1, not skip.skip_phase2)
+    training = config.training
+    data = load_data(config.data, training.seed, not training.skip_phase1, not training.skip_phase2)
     teacher = embed_with_teacher(accelerator, config, data)  # cache hits: the toolkit run encoded these texts
     student = load_student(config.model.student_model, config.model.student_num_layers, config.model.max_seq_length)
     student_dim = embedding_dim(student)
