@@ -7,8 +7,8 @@ One run, one config file, the same teacher, student, texts and evaluation set fo
     (read from distill's teacher cache, so they are the very vectors (a) trained on), then
     `SentenceTransformerTrainer` with `losses.MSELoss` when student and teacher have the same width, or
     `losses.EmbedDistillLoss(projection_dim=teacher_dim)` in projection mode. It trains on the same texts
-    (phase-1 texts, phase-2 queries and passages), from the same initial (pruned) student, and stops when it
-    has trained as long as (a) did (wall-clock seconds of training, both phases together).
+    (phase-1 texts, phase-2 queries and passages, of the phases (a) runs), from the same initial (pruned)
+    student, and stops when it has trained as long as (a) did (wall-clock seconds of training, its phases together).
 
 Both students are scored by `distill.evaluation.evaluate_student` on the embedded held-out set against the
 cached teacher vectors, and the table, the machine, the versions and the command go into docs/QUALITY.md
