@@ -46,6 +46,69 @@ def step(student, optimizer, batch: dict) -> None:  # noqa: ANN001
     optimizer.zero_grad(set_to_none=True)
 
 
+def measure(
+    student,  # noqa: ANN001
+    queries: list[str],
+    passages: list[str],
+    settings: list[int],
+    steps: int,
+    repeats: int,
+    seed: int = 42,
+) -> dict[int, dict]:
+    """Per `--forward_chunks` setting: forward calls per step, padded tokens per real one, and each repeat's seconds.
+
+    The batches are the toolkit's (length-grouped sampler, phase-2 collate), the first `steps` of an epoch; every
+    setting trains the same batches, one setting after the other within each repeat.
+    """
+    student.train()
+    optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=5e-5)
+    max_length = student.max_seq_length
+    tokenized_queries = TokenizedTexts(student.tokenizer, queries, max_length)
+    tokenized_passages = TokenizedTexts(student.tokenizer, passages, max_length)
+    lengths = tokenized_queries.lengths + tokenized_passages.lengths
+    batches = list(LengthGroupedBatchSampler(lengths, 32, seed))[:steps]
+    rows, unit = np.arange(len(queries))[:, None], np.zeros((len(queries), 1), dtype=np.float16)
+    collates = {c: Phase2Batches(tokenized_queries, tokenized_passages, rows, unit, unit, c) for c in settings}
+    collated = {c: [collates[c](b) for b in batches] for c in settings}
+    real = sum(int(lengths[b].sum()) for b in batches)
+    seconds: dict[int, list[float]] = {c: [] for c in settings}
+    step(student, optimizer, collated[settings[0]][0])  # warm-up: first-call allocations
+    for _ in range(repeats):
+        for c in settings:
+            started = time.perf_counter()
+            for batch in collated[c]:
+                step(student, optimizer, batch)
+            seconds[c].append(time.perf_counter() - started)
+    results = {}
+    for c in settings:
+        parts = [f for b in collated[c] for f in [*b["queries"]["chunks"], *b["passages"]["chunks"]]]
+        results[c] = {
+            "calls_per_step": len(parts) / len(batches),
+            "padding": sum(f["input_ids"].numel() for f in parts) / real,
+            "step_seconds": [s / len(batches) for s in seconds[c]],
+        }
+    return results
+
+
+def table(results: dict[int, dict]) -> list[str]:
+    """Markdown rows: median seconds per step (min-max) and the ratio to the first setting."""
+    settings = list(results)
+    first = f"vs {settings[0]} chunk{'s' if settings[0] > 1 else ''}"
+    lines = [
+        f"| --forward_chunks | forward calls per step | padded tokens per real one | seconds per step | {first} |",
+        "|---|---|---|---|---|",
+    ]
+    base = statistics.median(results[settings[0]]["step_seconds"])
+    for c, row in results.items():
+        per_step = row["step_seconds"]
+        median = statistics.median(per_step)
+        lines.append(
+            f"| {c} | {row['calls_per_step']:.2f} | {row['padding']:.3f} | {median:.3f} "
+            f"({min(per_step):.3f}-{max(per_step):.3f}) | {median / base:.2f} |"
+        )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30, help="phase-2 batches timed per setting and repeat")
@@ -55,43 +118,12 @@ def main() -> None:
     settings = [int(c) for c in args.chunks.split(",")]
     torch.manual_seed(42)
     student = load_student(MODEL, num_layers=3, max_seq_length=128, attention_dropout=0.0)
-    student.train()
-    optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=5e-5)
     queries, passages = embedded.inverse_cloze_pairs(embedded.train_articles(), 42, 2)
-    tokenized_queries = TokenizedTexts(student.tokenizer, queries, 128)
-    tokenized_passages = TokenizedTexts(student.tokenizer, passages, 128)
-    lengths = tokenized_queries.lengths + tokenized_passages.lengths
-    batches = list(LengthGroupedBatchSampler(lengths, 32, 42))[: args.steps]
-    rows, unit = np.arange(len(queries))[:, None], np.zeros((len(queries), 1), dtype=np.float16)
-    collates = {c: Phase2Batches(tokenized_queries, tokenized_passages, rows, unit, unit, c) for c in settings}
-    collated = {c: [collates[c](b) for b in batches] for c in settings}
-    real = sum(int(lengths[b].sum()) for b in batches)
-    seconds: dict[int, list[float]] = {c: [] for c in settings}
-    step(student, optimizer, collated[settings[0]][0])  # warm-up: first-call allocations
-    for _ in range(args.repeats):
-        for c in settings:
-            started = time.perf_counter()
-            for batch in collated[c]:
-                step(student, optimizer, batch)
-            seconds[c].append(time.perf_counter() - started)
+    results = measure(student, queries, passages, settings, args.steps, args.repeats)
     command = f"python bench/forward_chunks.py --steps {args.steps} --repeats {args.repeats} --chunks {args.chunks}"
     print(f"Command: `{command}`  ")
     print(f"Machine: {machine()}  \nVersions: {versions()}\n")
-    first = f"vs {settings[0]} chunk{'s' if settings[0] > 1 else ''}"
-    print(f"| --forward_chunks | forward calls per step | padded tokens per real one | seconds per step | {first} |")
-    print("|---|---|---|---|---|")
-    base = statistics.median(seconds[settings[0]])
-    for c in settings:
-        calls = sum(len(b["queries"]["chunks"]) + len(b["passages"]["chunks"]) for b in collated[c]) / len(batches)
-        padded = sum(
-            f["input_ids"].numel() for b in collated[c] for f in [*b["queries"]["chunks"], *b["passages"]["chunks"]]
-        )
-        per_step = [s / len(batches) for s in seconds[c]]
-        median = statistics.median(seconds[c])
-        print(
-            f"| {c} | {calls:.2f} | {padded / real:.3f} | {statistics.median(per_step):.3f} "
-            f"({min(per_step):.3f}-{max(per_step):.3f}) | {median / base:.2f} |"
-        )
+    print("\n".join(table(results)))
 
 
 if __name__ == "__main__":
