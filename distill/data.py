@@ -94,8 +94,7 @@ def load_phase1_texts(source: str, max_samples: int, lee_background: bool = Fals
     if source == EMBEDDED:
         texts = embedded.wikipedia_sentences(embedded.train_articles())
         if lee_background:
-            texts = clean_texts(texts, f"phase-1 data {source!r} (Wikipedia)")
-            wikipedia = len(texts)
+            wikipedia = len(_normalized_unique(texts)[0])  # counted here, cleaned once with the Lee sentences below
             if max_samples <= wikipedia:
                 raise DistillError(
                     f"embedded_lee_background: max_samples_phase1 {max_samples} is not above the {wikipedia} "
@@ -165,6 +164,13 @@ def _clean_pairs(pairs: Pairs, source: str) -> Pairs:
 
 def clean_texts(texts: Iterable[Any], what: str) -> list[str]:
     """Non-empty strings, whitespace collapsed, exact duplicates dropped; counts of what was dropped are logged."""
+    kept, bad, duplicates = _normalized_unique(texts)
+    _report_dropped(what, bad, duplicates, len(kept))
+    return kept
+
+
+def _normalized_unique(texts: Iterable[Any]) -> tuple[list[str], int, int]:
+    """Non-empty strings with whitespace collapsed, first occurrence of each; the counts of empty rows and repeats."""
     kept, seen, bad, duplicates = [], set(), 0, 0
     for text in texts:
         if not isinstance(text, str) or not text.strip():
@@ -176,8 +182,7 @@ def clean_texts(texts: Iterable[Any], what: str) -> list[str]:
             continue
         seen.add(text)
         kept.append(text)
-    _report_dropped(what, bad, duplicates, len(kept))
-    return kept
+    return kept, bad, duplicates
 
 
 def _report_dropped(what: str, bad: int, duplicates: int, kept: int) -> None:
