@@ -50,6 +50,13 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--peer_budget_s", type=float, default=None, help="peer training seconds (default: toolkit's)")
     parser.add_argument(
+        "--peer_max_steps",
+        type=int,
+        default=0,
+        help="lay the peer's warm-up and linear decay out over this many optimizer steps instead of its full "
+        "epochs (0: the epochs; set it to the steps the peer reaches in its time budget so its lr decays to 0)",
+    )
+    parser.add_argument(
         "--reuse_toolkit",
         default=None,
         help="output_dir of a finished distill run with the same config and flags: take its results.json "
@@ -144,6 +151,7 @@ def run_peer(config, output_dir: Path, args: argparse.Namespace, budget_s: float
         output_dir=str(output_dir / "trainer"),
         per_device_train_batch_size=config.training.batch_size,
         num_train_epochs=args.peer_epochs,
+        max_steps=args.peer_max_steps if args.peer_max_steps > 0 else -1,
         learning_rate=args.peer_lr,
         warmup_steps=config.training.warmup_ratio,  # transformers 5: a float below 1 is a ratio
         weight_decay=config.training.weight_decay,
@@ -186,6 +194,7 @@ def run_peer(config, output_dir: Path, args: argparse.Namespace, budget_s: float
         "texts_available": len(texts),
         "stopped_by_budget": budget.stopped_early,
         "lr": args.peer_lr,
+        "schedule_steps": args.peer_max_steps or None,
         "budget_s": round(budget_s, 1),
     }
     (output_dir / "results.json").write_text(json.dumps(result, indent=2))
@@ -318,6 +327,13 @@ def peer_texts(phases: dict) -> str:
     return " + ".join(parts)
 
 
+def peer_schedule(peer: dict) -> str:
+    steps = peer.get("schedule_steps")
+    if steps:
+        return f"warm-up and linear decay over {steps} steps"
+    return "warm-up and linear decay laid out over the full epochs"
+
+
 def _fmt(value: object) -> str:
     return f"{value:.3f}" if isinstance(value, float) else ("–" if value is None else str(value))
 
@@ -392,8 +408,8 @@ def section(name: str, toolkit: dict, peers: list[dict], command: str, toolkit_s
         "",
         f"distill − best peer: {margin:+.4f} nDCG@10 ({judged}). Each peer trained on the same "
         f"{peer['texts_available']} texts ({peer_texts(phases)}, labels from the same teacher "
-        f"cache), lr {peer['lr']}, batch as the config, stopped by the time budget of {peer['budget_s']} s: "
-        f"{peer['stopped_by_budget']}.",
+        f"cache), lr {peer['lr']} ({peer_schedule(peer)}), batch as the config, stopped by the time budget of "
+        f"{peer['budget_s']} s: {peer['stopped_by_budget']}.",
         f"<!-- /quality:{name} -->",
     ]
     return "\n".join(lines)

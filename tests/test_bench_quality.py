@@ -106,3 +106,6 @@ def test_section_names_the_phases_the_toolkit_trained() -> None:
     assert "**distill** (two phases)" in both and "(phase-1 texts + phase-2 queries + passages," in both
     assert "**distill** (phase 1 only)" in first and "(phase-1 texts, labels" in first and "phase-2" not in first
     assert "| 5.000 | 32 |" in first and "| 10.000 | 64 |" in both  # the toolkit row: its one phase; the peer row
+    assert "lr 0.0001 (warm-up and linear decay laid out over the full epochs)" in first
+    peer["schedule_steps"] = 227  # --peer_max_steps: the decay fits the steps the budget allows
+    assert "lr 0.0001 (warm-up and linear decay over 227 steps)" in text(["phase1"])
