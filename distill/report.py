@@ -36,6 +36,19 @@ def results_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def evaluations_table(results: dict) -> str:
+    """A Markdown table of the mid-phase evaluations (`--eval_steps`), one row per phase and step; "" if none."""
+    history = [(phase, entry) for phase, entries in (results.get("evaluations") or {}).items() for entry in entries]
+    if not history:
+        return ""
+    metrics = [m for m in METRICS if any(m in entry for _, entry in history)]
+    lines = ["| phase | step | " + " | ".join(metrics) + " |", "|---|---|" + "---|" * len(metrics)]
+    for phase, entry in history:
+        cells = [f"{entry[m]:.4f}" if m in entry else "" for m in metrics]
+        lines.append(f"| {phase} | {entry['step']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
     """`write(staging)` fills a hidden temporary file that is then renamed to `path`: all of it or nothing."""
     staging = path.parent / f".{path.name}.tmp-{os.getpid()}"
@@ -109,6 +122,9 @@ def report_markdown(results: dict, image_name: str = "report.png") -> str:
             lines += ["", kept_line]
     else:
         lines.append("(no evaluation set)")
+    history = evaluations_table(results)
+    if history:
+        lines += ["", "## Evaluations during training (`--eval_steps`)", "", history]
     lines += ["", "## Phases", ""]
     phases = results.get("phases") or {}
     if phases:
@@ -129,7 +145,7 @@ def report_figure(results: dict) -> Figure:
     figure = Figure(figsize=(19, 5.6), layout="constrained")
     FigureCanvasAgg(figure)
     loss_axes, metric_axes, matryoshka_axes = figure.subplots(1, 3, width_ratios=(1.25, 1.0, 0.85))
-    _plot_losses(loss_axes, results.get("phases") or {})
+    _plot_losses(loss_axes, results.get("phases") or {}, results.get("evaluations") or {})
     _plot_metrics(metric_axes, results)
     _plot_matryoshka(matryoshka_axes, results)
     figure.suptitle(f"Distillation report: {_run_description(results)}", fontsize=14)
@@ -173,11 +189,14 @@ def _no_data(axes: Axes, message: str) -> None:
     axes.set_yticks([])
 
 
-def _plot_losses(axes: Axes, phases: dict) -> None:
+def _plot_losses(axes: Axes, phases: dict, evaluations: dict | None = None) -> None:
+    """Loss per step of each phase; with `--eval_steps`, the mid-phase nDCG@10 on a second axis at the right."""
     axes.set_title("(a) training loss per optimizer step")
     offset = 0
+    scores: list[tuple[int, float]] = []  # (step on the shared axis, nDCG@10)
     for color, phase in zip(("C0", "C1"), ("phase1", "phase2")):
         losses = (phases.get(phase) or {}).get("losses") or []
+        scores += [(offset + e["step"], e["ndcg@10"]) for e in (evaluations or {}).get(phase, []) if "ndcg@10" in e]
         if not losses:
             continue
         steps = np.arange(offset + 1, offset + len(losses) + 1)
@@ -204,7 +223,16 @@ def _plot_losses(axes: Axes, phases: dict) -> None:
     axes.set_ylabel("loss")
     axes.set_xlim(0, offset + 1)
     axes.grid(alpha=0.3)
-    axes.legend(loc="upper right", fontsize=9)
+    handles, labels = axes.get_legend_handles_labels()
+    if scores:
+        ndcg_axes = axes.twinx()
+        (line,) = ndcg_axes.plot(*zip(*scores), color="C3", marker="o", markersize=4, linewidth=1.2)
+        ndcg_axes.set_ylabel("nDCG@10 (mid-phase evaluations)", color="C3")
+        ndcg_axes.tick_params(axis="y", colors="C3")
+        handles.append(line)
+        labels.append("nDCG@10 during training (right axis)")
+    # the loss falls to the bottom and nDCG@10 rises to the top: the middle right is free for the legend
+    axes.legend(handles, labels, loc="center right" if scores else "upper right", fontsize=9)
 
 
 def _plot_metrics(axes: Axes, results: dict) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from distill.errors import DistillError
-from distill.report import write_report
+from distill.report import report_figure, report_markdown, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -87,6 +87,37 @@ def test_report_without_evaluation_or_phases(tmp_path: Path) -> None:
     check_png(png)
     text = md.read_text()
     assert "(no evaluation set)" in text and "(no training phase ran)" in text and "keeps" not in text
+
+
+def mid_phase_axes(data: dict) -> list:
+    return [a for a in report_figure(data).axes if a.get_ylabel().startswith("nDCG@10 (mid-phase")]
+
+
+def test_report_shows_the_mid_phase_evaluations(tmp_path: Path) -> None:
+    data = results()
+    data["evaluations"] = {  # as train.py records them with --eval_steps: steps count within each phase
+        "phase1": [{"step": 10, "ndcg@10": 0.47, "teacher_cosine": 0.8}, {"step": 20, "ndcg@10": 0.49}],
+        "phase2": [{"step": 15, "ndcg@10": 0.52}],
+    }
+    _, md = write_report(tmp_path, data)
+    text = md.read_text()
+    assert "## Evaluations during training" in text
+    assert "| phase | step | ndcg@10 | teacher_cosine |" in text
+    assert "| phase1 | 10 | 0.4700 | 0.8000 |" in text and "| phase1 | 20 | 0.4900 |  |" in text
+    assert "| phase2 | 15 | 0.5200 |  |" in text
+    (axes,) = mid_phase_axes(data)
+    (line,) = axes.get_lines()
+    # phase 2's step 15 lies after phase 1's 40 steps on the shared step axis
+    assert list(line.get_xdata()) == [10, 20, 55] and list(line.get_ydata()) == [0.47, 0.49, 0.52]
+    assert "nDCG@10 during training (right axis)" in [
+        t.get_text() for t in report_figure(data).axes[0].get_legend().get_texts()
+    ]
+
+
+def test_report_without_mid_phase_evaluations_has_no_such_section() -> None:
+    data = results()
+    assert mid_phase_axes(data) == []
+    assert "during training" not in report_markdown(data)
 
 
 def test_failed_write_leaves_nothing(tmp_path: Path) -> None:

@@ -275,6 +275,8 @@ def test_eval_steps_log_mid_phase_and_keep_the_best_model(tiny_models, tiny_data
         assert f"{best}" in (out / "best" / phase / "model" / "README.md").read_text()
     logged = (out / "metrics.jsonl").read_text()
     assert "phase1/eval/ndcg@10" in logged and "phase2/eval/ndcg@10" in logged
+    report = (out / "report.md").read_text()  # the report lists the mid-phase evaluations of both phases
+    assert "| phase1 | 4 |" in report and "| phase2 | 4 |" in report
 
 
 def test_mined_hard_negatives_join_phase_two_without_re_encoding(tiny_models, tiny_data, tmp_path):
