@@ -189,14 +189,14 @@ def _no_data(axes: Axes, message: str) -> None:
     axes.set_yticks([])
 
 
-def _plot_losses(axes: Axes, phases: dict, evaluations: dict | None = None) -> None:
+def _plot_losses(axes: Axes, phases: dict, evaluations: dict) -> None:
     """Loss per step of each phase; with `--eval_steps`, the mid-phase nDCG@10 on a second axis at the right."""
     axes.set_title("(a) training loss per optimizer step")
     offset = 0
     scores: list[tuple[int, float]] = []  # (step on the shared axis, nDCG@10)
     for color, phase in zip(("C0", "C1"), ("phase1", "phase2")):
         losses = (phases.get(phase) or {}).get("losses") or []
-        scores += [(offset + e["step"], e["ndcg@10"]) for e in (evaluations or {}).get(phase, []) if "ndcg@10" in e]
+        scores += [(offset + e["step"], e["ndcg@10"]) for e in evaluations.get(phase, []) if "ndcg@10" in e]
         if not losses:
             continue
         steps = np.arange(offset + 1, offset + len(losses) + 1)

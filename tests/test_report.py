@@ -89,8 +89,8 @@ def test_report_without_evaluation_or_phases(tmp_path: Path) -> None:
     assert "(no evaluation set)" in text and "(no training phase ran)" in text and "keeps" not in text
 
 
-def mid_phase_axes(data: dict) -> list:
-    return [a for a in report_figure(data).axes if a.get_ylabel().startswith("nDCG@10 (mid-phase")]
+def mid_phase_axes(figure) -> list:  # noqa: ANN001 - a matplotlib Figure
+    return [a for a in figure.axes if a.get_ylabel().startswith("nDCG@10 (mid-phase")]
 
 
 def test_report_shows_the_mid_phase_evaluations(tmp_path: Path) -> None:
@@ -105,18 +105,17 @@ def test_report_shows_the_mid_phase_evaluations(tmp_path: Path) -> None:
     assert "| phase | step | ndcg@10 | teacher_cosine |" in text
     assert "| phase1 | 10 | 0.4700 | 0.8000 |" in text and "| phase1 | 20 | 0.4900 |  |" in text
     assert "| phase2 | 15 | 0.5200 |  |" in text
-    (axes,) = mid_phase_axes(data)
+    figure = report_figure(data)
+    (axes,) = mid_phase_axes(figure)
     (line,) = axes.get_lines()
     # phase 2's step 15 lies after phase 1's 40 steps on the shared step axis
     assert list(line.get_xdata()) == [10, 20, 55] and list(line.get_ydata()) == [0.47, 0.49, 0.52]
-    assert "nDCG@10 during training (right axis)" in [
-        t.get_text() for t in report_figure(data).axes[0].get_legend().get_texts()
-    ]
+    assert "nDCG@10 during training (right axis)" in [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
 
 
 def test_report_without_mid_phase_evaluations_has_no_such_section() -> None:
     data = results()
-    assert mid_phase_axes(data) == []
+    assert mid_phase_axes(report_figure(data)) == []
     assert "during training" not in report_markdown(data)
 
 
