@@ -7,7 +7,7 @@
   `SentenceTransformerTrainer` + `MSELoss` (random batches, as the trainer makes them), then scored
   (on the CPU by default; bench/gpu.py passes `"device": "cuda", "bf16": true` and no evaluation file).
 - `floor_grouped` / `floor_random`: the bare cost of the student: a plain PyTorch loop (forward, the toolkit's
-  alignment loss to precomputed teacher vectors, backward, AdamW step) over pre-collated batches: the
+  alignment loss to precomputed teacher vectors, backward, fused AdamW step) over pre-collated batches: the
   toolkit's own length-grouped batches, or random batches padded to their longest member.
 - `score`: nDCG@10 of saved SentenceTransformer folders (the toolkit's exported students).
 
@@ -241,7 +241,8 @@ def floor(spec: dict, grouped: bool) -> dict:
     real = sum(int(tokens.lengths[b].sum()) for b in batches)
     padded = sum(int(f["input_ids"].numel()) for f, _ in collated)
     dims = matryoshka_dims(embedding_dim(student), None)  # the toolkit's Matryoshka loss: 384, 192, 96
-    optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=spec["lr"])
+    trainable = [p for p in student.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=spec["lr"], fused=True)  # the one-kernel update, as the toolkit's
     student.train()
     timing = train_steps(student, collated, optimizer, dims)
     return {
