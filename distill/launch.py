@@ -8,7 +8,9 @@ processes over gloo (`ACCELERATE_USE_CPU=true`, without which each CPU process w
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import subprocess
 import sys
 from datetime import timedelta
@@ -20,6 +22,27 @@ from accelerate.utils import parse_flag_from_env
 from distill.errors import DistillError
 
 RELAUNCHED = "DISTILL_RELAUNCHED"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stop_with_the_launcher() -> bool:
+    """Under torch elastic (`accelerate launch`, torchrun), have the kernel send SIGTERM if the launcher dies.
+
+    torch elastic starts each rank in a session of its own, so a SIGKILL to the launcher (kill -9, the OOM
+    killer) never reaches the ranks: they would train on with nobody to collect them, holding their devices
+    and rotating checkpoints. With the parent-death signal they stop as on preemption: they finish the step,
+    write a checkpoint and exit 143. Linux only; elsewhere, and outside torch elastic, nothing changes (a
+    plain `python -m distill.train`, nohup'ed or not, keeps running when its shell goes). A launcher that died
+    before this call leaves the rank to init (pid 1) in most containers: that too is taken as the signal.
+    Returns whether the signal is armed.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return False
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return False
+    if os.getppid() == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
 
 
 def current_world_size() -> int:

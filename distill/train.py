@@ -41,7 +41,7 @@ from distill.errors import DistillError
 from distill.evaluation import EvalInputs, EvalVectors, encode_student, evaluate_student, evaluate_teacher
 from distill.export import export_models, model_card
 from distill.hub import declared_dimension, resolve_model
-from distill.launch import current_world_size, join_group_of_this_attempt, maybe_relaunch
+from distill.launch import current_world_size, join_group_of_this_attempt, maybe_relaunch, stop_with_the_launcher
 from distill.losses import LossWeights
 from distill.report import results_table, write_report, write_results
 from distill.student import (
@@ -570,6 +570,7 @@ def main(argv: list[str] | None = None) -> int:
         code = maybe_relaunch(config.launch.num_processes, argv, config.launch.accelerate_config)
         if code is not None:
             return code
+        stop_with_the_launcher()
         _quiet_libraries()
         started = time.perf_counter()
         run(config)

@@ -312,14 +312,19 @@ class TrainingStopped(DistillError):
 
 
 class _Preemption:
-    """SIGTERM sets a flag; the loop turns it into a collective decision at the next optimizer step."""
+    """SIGTERM sets a flag; the loop turns it into a collective decision at the next optimizer step.
+
+    The handler stays once the first phase installs it, and installing it again keeps the flag: a SIGTERM that
+    comes between the phases (during phase 2's teacher encoding, say) stops the run at phase 2's first step.
+    The stop that acts on the flag clears it.
+    """
 
     requested = False
 
     @classmethod
     def install(cls) -> None:
-        cls.requested = False
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) != cls._handle:
+            cls.requested = False
             signal.signal(signal.SIGTERM, cls._handle)
 
     @classmethod
@@ -446,6 +451,7 @@ def train_phase(
             progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}", refresh=False)
             accelerator.log({f"{settings.name}/loss": mean_loss, f"{settings.name}/lr": scheduler.get_last_lr()[0]})
             if stop_requested:  # decided collectively (batch_verdict): every rank stops at the same step
+                _Preemption.requested = False
                 path = checkpoint()
                 raise TrainingStopped(
                     f"stopped by SIGTERM in {settings.name} at optimizer step {state.optimizer_steps}; checkpoint "

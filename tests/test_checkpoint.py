@@ -139,19 +139,42 @@ def test_sigkill_then_resume_reaches_the_uninterrupted_weights(
     checkpoint = wait_for_checkpoint(out, phase, process)
     workers = training_processes(process)
     os.killpg(process.pid, signal.SIGKILL)  # the launcher, with no chance to clean up
-    # torch elastic starts each rank in its own session (start_new_session), out of reach of killpg: left alive,
-    # the ranks train on and rotate the latest checkpoint away before the resumed run loads it
-    for worker in workers:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            worker.kill()
-    process.wait(timeout=60)
-    _, alive = psutil.wait_procs(workers, timeout=60)
-    assert not alive, f"ranks still running after SIGKILL: {alive}"
+    try:
+        # torch elastic starts each rank in its own session (start_new_session), out of reach of killpg; the
+        # parent-death signal (distill.launch.stop_with_the_launcher) stops them as on SIGTERM: checkpoint, exit 143.
+        # Reading stderr to its end waits for them: they hold it open until they exit.
+        _, stderr = process.communicate(timeout=120)
+        _, alive = psutil.wait_procs(workers, timeout=30)
+    finally:
+        for worker in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                worker.kill()
+    assert not alive, f"ranks still running after their launcher was killed: {alive}"
+    if num_processes > 1:  # a launcher died: its ranks stopped by themselves, with a checkpoint
+        assert "stopped by SIGTERM in phase" in stderr, stderr[-3000:]
     assert not (out / "results.json").exists(), "the run finished before it was killed"
     assert checkpoint.is_dir()
     finish(command(num_processes, [*argv, "--resume_from_checkpoint", "latest"]))
     assert max_difference(weights(out), reference[num_processes]) <= 1e-6
     assert json.loads((out / "results.json").read_text())["world_size"] == num_processes
+
+
+def test_a_sigterm_between_phases_is_kept_for_the_next_phase():
+    """Each phase installs the handler; a SIGTERM caught before phase 2's loop (its teacher encoding) still counts."""
+    from distill.training import _Preemption
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        _Preemption.install()
+        assert not _Preemption.requested
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)  # Python runs the handler at its next check
+        assert _Preemption.requested
+        _Preemption.install()  # the next phase
+        assert _Preemption.requested
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        _Preemption.requested = False
 
 
 @pytest.mark.multiprocess
