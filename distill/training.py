@@ -179,7 +179,7 @@ def make_optimizer(
     On the devices torch has a fused AdamW kernel for (`device_type`: where training runs; the parameters
     may not be there yet), the whole update is one fused kernel: on a CPU it replaces a loop of a dozen
     tensor ops per parameter, the 3-layer demo student's step takes 48 -> 12 ms, about 12% of a training
-    step (docs/BENCHMARKS.md). Hugging Face's Trainer, and so the peer recipe, uses it too.
+    step (docs/QUALITY.md, session 20). Hugging Face's Trainer, and so the peer recipe, uses it too.
     """
     groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
     for name, parameter in model.named_parameters():
