@@ -23,6 +23,12 @@ from distill.errors import DistillError
 
 RELAUNCHED = "DISTILL_RELAUNCHED"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None  # resolved before forks
+
+
+def arm_parent_death_signal() -> bool:
+    """Linux: have the kernel send this process SIGTERM when its parent dies. Returns whether it is armed."""
+    return _PRCTL is not None and _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0
 
 
 def stop_with_the_launcher() -> bool:
@@ -36,9 +42,7 @@ def stop_with_the_launcher() -> bool:
     before this call leaves the rank to init (pid 1) in most containers: that too is taken as the signal.
     Returns whether the signal is armed.
     """
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
-        return False
-    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not arm_parent_death_signal():
         return False
     if os.getppid() == 1:
         os.kill(os.getpid(), signal.SIGTERM)
@@ -114,7 +118,8 @@ def maybe_relaunch(num_processes: int | None, argv: list[str], accelerate_config
             file=sys.stderr,
         )
     command, env = relaunch_command(num_processes, argv, accelerate_config)
-    return subprocess.call(command, env=env)
+    # if this process is killed, `accelerate launch` gets SIGTERM and passes it to its ranks (which checkpoint)
+    return subprocess.call(command, env=env, preexec_fn=arm_parent_death_signal)
 
 
 def join_group_of_this_attempt(timeout: timedelta) -> bool:

@@ -159,6 +159,30 @@ def test_sigkill_then_resume_reaches_the_uninterrupted_weights(
     assert json.loads((out / "results.json").read_text())["world_size"] == num_processes
 
 
+@pytest.mark.multiprocess
+def test_a_killed_relaunching_process_takes_its_launcher_and_ranks_with_it(tiny_models, tiny_data, tmp_path):
+    """`python -m distill.train --num_processes 2` runs `accelerate launch` as a child: SIGKILL to it stops all."""
+    out = tmp_path / "relaunched"
+    process = start(
+        [sys.executable, "-m", "distill.train", *flags(tiny_models, tiny_data, out, tmp_path / "cache")]
+        + ["--num_processes", "2"]
+    )
+    wait_for_checkpoint(out, "phase1", process)
+    descendants = psutil.Process(process.pid).children(recursive=True)  # accelerate launch and its 2 ranks
+    assert len(training_processes(process)) == 3, descendants
+    process.kill()  # this process only, not its group: its child, `accelerate launch`, is not signalled
+    try:
+        _, stderr = process.communicate(timeout=120)  # stderr ends when the launcher and the ranks have exited
+        _, alive = psutil.wait_procs(descendants, timeout=30)
+    finally:
+        for survivor in descendants:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                survivor.kill()
+    assert not alive, f"still running after the relaunching process was killed: {alive}"
+    assert "stopped by SIGTERM in phase" in stderr, stderr[-3000:]
+    assert not (out / "results.json").exists(), "the run finished before it was killed"
+
+
 def test_a_sigterm_between_phases_is_kept_for_the_next_phase():
     """Each phase installs the handler; a SIGTERM caught before phase 2's loop (its teacher encoding) still counts."""
     from distill.training import _Preemption
