@@ -102,6 +102,21 @@ def training_processes(launcher: subprocess.Popen) -> list[psutil.Process]:
     ]
 
 
+def outlived_by(killed: subprocess.Popen, others: list[psutil.Process]) -> tuple[str, list[psutil.Process]]:
+    """The killed process's stderr and which of `others` still run once they had time to stop (then killed).
+
+    Reading stderr to its end waits for the others too: they inherited it and hold it open until they exit.
+    """
+    try:
+        _, stderr = killed.communicate(timeout=120)
+        _, alive = psutil.wait_procs(others, timeout=30)
+    finally:
+        for process in others:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+    return stderr, alive
+
+
 def weights(out: Path) -> dict[str, torch.Tensor]:
     folder = out / "artifacts" / "model"
     found = {}
@@ -139,16 +154,9 @@ def test_sigkill_then_resume_reaches_the_uninterrupted_weights(
     checkpoint = wait_for_checkpoint(out, phase, process)
     workers = training_processes(process)
     os.killpg(process.pid, signal.SIGKILL)  # the launcher, with no chance to clean up
-    try:
-        # torch elastic starts each rank in its own session (start_new_session), out of reach of killpg; the
-        # parent-death signal (distill.launch.stop_with_the_launcher) stops them as on SIGTERM: checkpoint, exit 143.
-        # Reading stderr to its end waits for them: they hold it open until they exit.
-        _, stderr = process.communicate(timeout=120)
-        _, alive = psutil.wait_procs(workers, timeout=30)
-    finally:
-        for worker in workers:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                worker.kill()
+    # torch elastic starts each rank in its own session (start_new_session), out of reach of killpg; the
+    # parent-death signal (distill.launch.stop_with_the_launcher) stops them as on SIGTERM: checkpoint, exit 143
+    stderr, alive = outlived_by(process, workers)
     assert not alive, f"ranks still running after their launcher was killed: {alive}"
     if num_processes > 1:  # a launcher died: its ranks stopped by themselves, with a checkpoint
         assert "stopped by SIGTERM in phase" in stderr, stderr[-3000:]
@@ -171,13 +179,7 @@ def test_a_killed_relaunching_process_takes_its_launcher_and_ranks_with_it(tiny_
     descendants = psutil.Process(process.pid).children(recursive=True)  # accelerate launch and its 2 ranks
     assert len(training_processes(process)) == 3, descendants
     process.kill()  # this process only, not its group: its child, `accelerate launch`, is not signalled
-    try:
-        _, stderr = process.communicate(timeout=120)  # stderr ends when the launcher and the ranks have exited
-        _, alive = psutil.wait_procs(descendants, timeout=30)
-    finally:
-        for survivor in descendants:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                survivor.kill()
+    stderr, alive = outlived_by(process, descendants)
     assert not alive, f"still running after the relaunching process was killed: {alive}"
     assert "stopped by SIGTERM in phase" in stderr, stderr[-3000:]
     assert not (out / "results.json").exists(), "the run finished before it was killed"
