@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -202,21 +203,71 @@ class LengthGroupedBatchSampler:
             yield batches[index].tolist()
 
 
-def topic_clusters(vectors: np.ndarray, cluster_size: int, seed: int, iterations: int = 20) -> np.ndarray:
+class RowSource(Protocol):
+    """Rows of vectors on demand: an array, a memory-mapped cache, or `PairVectors`."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, rows: np.ndarray) -> np.ndarray: ...
+
+
+TOPIC_FIT_ROWS = 65536  # k-means learns its centres from at most this many rows (and 4 per cluster), seeded
+TOPIC_CHUNK_ROWS = 8192  # rows read, normalised and assigned at a time
+
+
+def topic_clusters(
+    vectors: RowSource,
+    cluster_size: int,
+    seed: int,
+    iterations: int = 20,
+    fit_rows: int = TOPIC_FIT_ROWS,
+    chunk_rows: int = TOPIC_CHUNK_ROWS,
+) -> np.ndarray:
     """A cluster label per row: k-means (k-means++ start, seeded) on the unit vectors, about `cluster_size` a cluster.
 
     Phase 2 with `--topic_cluster_size` builds its batches from these clusters of the teacher's pair vectors,
     as topic-aware sampling does (TAS, Hofstatter et al., SIGIR 2021): each batch holds passages on one
     subject or two, so the in-batch KL learns how the teacher ranks close passages, not only random ones.
-    Euclidean k-means on unit vectors groups by cosine. Costs O(rows x clusters x dim) per iteration.
+    Euclidean k-means on unit vectors groups by cosine.
+
+    `vectors` is anything indexed by an array of rows (a memory-mapped cache, or `PairVectors`, which adds
+    two of them row by row): it is read in chunks, never whole. Up to `fit_rows` rows, k-means runs on all of
+    them; above, it learns its centres from a seeded sample of max(fit_rows, 4 per cluster) rows and every row
+    goes to its nearest centre, so a million pairs of a 4096-d teacher cost a sample's fit and one pass, not a
+    16 GB copy and 20 passes of O(rows x clusters x dim).
     """
     from sklearn.cluster import KMeans  # a sentence-transformers dependency; imported only when asked for
 
-    x = np.asarray(vectors, dtype=np.float32)
-    x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
-    count = max(1, min(len(x), round(len(x) / cluster_size)))
+    total = len(vectors)
+    count = max(1, min(total, round(total / cluster_size)))
     kmeans = KMeans(n_clusters=count, n_init=1, max_iter=iterations, random_state=seed)
-    return kmeans.fit_predict(x).astype(np.int64)
+    if total <= fit_rows:
+        return kmeans.fit_predict(_unit_rows(vectors, np.arange(total))).astype(np.int64)
+    sample = np.sort(np.random.default_rng(seed).permutation(total)[: max(fit_rows, 4 * count)])
+    kmeans.fit(_unit_rows(vectors, sample))
+    labels = np.empty(total, dtype=np.int64)
+    for start in range(0, total, chunk_rows):
+        rows = np.arange(start, min(start + chunk_rows, total))
+        labels[rows] = kmeans.predict(_unit_rows(vectors, rows))
+    return labels
+
+
+class PairVectors:
+    """query[i] + passage[positive[i]] for the rows asked for: a pair's vector, made on demand, never all at once."""
+
+    def __init__(self, queries: RowSource, passages: RowSource, positives: np.ndarray):
+        self.queries, self.passages, self.positives = queries, passages, positives
+
+    def __len__(self) -> int:
+        return len(self.positives)
+
+    def __getitem__(self, rows: np.ndarray) -> np.ndarray:
+        queries = np.asarray(self.queries[rows], dtype=np.float32)
+        return queries + np.asarray(self.passages[self.positives[rows]], dtype=np.float32)
+
+
+def _unit_rows(vectors: RowSource, rows: np.ndarray) -> np.ndarray:
+    x = np.asarray(vectors[rows], dtype=np.float32)
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
 
 class _Indices(Dataset):

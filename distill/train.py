@@ -33,7 +33,14 @@ from accelerate.logging import get_logger
 from accelerate.utils import DDPCommunicationHookType, TorchDynamoPlugin, broadcast_object_list, set_seed
 
 from distill.allocator import heap_allocator
-from distill.batching import Phase1Batches, Phase2Batches, TokenizedTexts, make_loader, topic_clusters
+from distill.batching import (
+    PairVectors,
+    Phase1Batches,
+    Phase2Batches,
+    TokenizedTexts,
+    make_loader,
+    topic_clusters,
+)
 from distill.checkpoint import PHASES, TrainingState, find_checkpoint, read_state
 from distill.config import Config, dump_config, load_config, to_flat_dict
 from distill.data import DistillData, Pairs, load_data
@@ -238,11 +245,9 @@ def embed_with_teacher(accelerator: Accelerator, config: Config, data: DistillDa
         if config.data.topic_cluster_size:  # a pair is its query plus its positive passage
             size, seed, positives = config.data.topic_cluster_size, config.training.seed, rows[:, 0]
 
-            def cluster() -> np.ndarray:
-                pairs = np.asarray(queries, dtype=np.float32) + np.asarray(passages[positives], dtype=np.float32)
-                return topic_clusters(pairs, size, seed)
-
-            topics = main_process_array(accelerator, cluster)
+            topics = main_process_array(
+                accelerator, lambda: topic_clusters(PairVectors(queries, passages, positives), size, seed)
+            )
     seconds["phase2"] = cache.seconds - seconds["phase1"]
     evaluation = None
     if data.evaluation is not None:

@@ -14,6 +14,7 @@ from conftest import sentences
 from distill.batching import (
     MAX_CUT_POINTS,
     LengthGroupedBatchSampler,
+    PairVectors,
     Phase1Batches,
     Phase2Batches,
     TokenizedTexts,
@@ -226,6 +227,49 @@ def test_topic_clusters_recover_planted_topics() -> None:
     for topic in range(12):  # every planted topic is one cluster, and no cluster mixes two topics
         assert len(np.unique(labels[truth == topic])) == 1
     assert np.array_equal(labels, topic_clusters(vectors * 3.0, cluster_size=40, seed=0))
+
+
+class CountingRows:
+    """An array that records how many rows each read asked for, to show a caller never reads it whole."""
+
+    def __init__(self, array: np.ndarray):
+        self.array, self.reads = array, []
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __getitem__(self, rows: np.ndarray) -> np.ndarray:
+        self.reads.append(len(rows))
+        return self.array[rows]
+
+
+def test_topic_clusters_above_fit_rows_learn_from_a_sample_and_assign_every_row_in_chunks() -> None:
+    vectors, truth = planted_topics(count=12, per_topic=40)
+    source = CountingRows(vectors * 3.0)
+    labels = topic_clusters(source, cluster_size=40, seed=0, fit_rows=120, chunk_rows=50)
+    assert labels.shape == (480,) and len(np.unique(labels)) == 12
+    for topic in range(12):  # every planted topic is one cluster, and no cluster mixes two topics
+        assert len(np.unique(labels[truth == topic])) == 1
+    assert max(source.reads) == 120  # the fit's sample; every other read is one chunk
+    assert sum(source.reads) == 120 + 480 and source.reads[1:] == [50] * 9 + [30]
+    assert np.array_equal(labels, topic_clusters(vectors, cluster_size=40, seed=0, fit_rows=120, chunk_rows=50))
+    # a sample never smaller than 4 rows per cluster: 480 rows in clusters of 4 fit on all 480
+    assert len(np.unique(topic_clusters(vectors, cluster_size=4, seed=0, fit_rows=100))) == 120
+
+
+def test_pair_vectors_add_each_query_to_its_positive_passage_on_demand() -> None:
+    rng = np.random.default_rng(3)
+    queries, passages = rng.standard_normal((6, 4)), rng.standard_normal((9, 4)).astype(np.float16)
+    positives = np.array([8, 0, 3, 3, 5, 1])
+    pairs = PairVectors(CountingRows(queries), CountingRows(passages), positives)
+    expected = queries.astype(np.float32) + passages[positives].astype(np.float32)
+    two = pairs[np.array([4, 0])]
+    assert len(pairs) == 6 and two.dtype == np.float32
+    np.testing.assert_array_equal(two, expected[[4, 0]])
+    assert pairs.queries.reads == [2] and pairs.passages.reads == [2]
+    np.testing.assert_array_equal(  # the same clusters as on the materialised sums
+        topic_clusters(pairs, cluster_size=2, seed=0), topic_clusters(expected, cluster_size=2, seed=0)
+    )
 
 
 def test_topic_clusters_size_sets_the_number_of_clusters() -> None:
