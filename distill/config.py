@@ -131,6 +131,11 @@ class PhaseConfig:
 @dataclass
 class TrainingConfig:
     batch_size: int = _opt(default=64, help="Batch size per process.")
+    teacher_batch_size: int | None = _opt(
+        default=None,
+        help="Texts per teacher forward pass per process (default: batch_size); on running out of GPU memory the "
+        "teacher goes on with half as many, so a too-large value costs one failed batch, not the run.",
+    )
     gradient_accumulation_steps: int = _opt(default=1, help="Batches accumulated per optimizer step.")
     mixed_precision: str | None = _opt(
         default=None, choices=MIXED_PRECISIONS, help="no/fp16/bf16 (default: what the accelerate config says)."
@@ -427,8 +432,8 @@ def validate(config: Config) -> list[str]:
     for name, value in positive.items():
         if not value > 0:
             problems.append(f"{name}: expected a number greater than 0, got {value}")
-    for name in ("student_num_layers", "max_seq_length", "teacher_max_seq_length"):
-        value = getattr(config.model, name)
+    for name in ("student_num_layers", "max_seq_length", "teacher_max_seq_length", "teacher_batch_size"):
+        value = getattr(config.training if name == "teacher_batch_size" else config.model, name)
         if value is not None and value < 1:
             problems.append(f"{name}: expected a positive integer or nothing, got {value}")
     dropout = config.model.student_attention_dropout

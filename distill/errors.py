@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 class DistillError(ValueError):
     """A problem with the user's input (config, data, model, cache), reported as one clear line.
@@ -9,3 +11,21 @@ class DistillError(ValueError):
     `train.main` catches it, prints ``error: <message>`` once (on the main process) and exits with
     code 2, so no rank prints a traceback for a typo.
     """
+
+    every_rank = False  # True: a problem of the process that met it, which it reports itself
+
+
+class OutOfMemory(DistillError):
+    """This process's device ran out of memory: reported by every rank that meets it, with its rank."""
+
+    every_rank = True
+
+    def __init__(self, message: str):
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        super().__init__(f"[rank {os.environ.get('RANK', '0')}] {message}" if world > 1 else message)
+
+
+def memory_message(error: BaseException) -> str:
+    """The useful start of a torch out-of-memory message ('CUDA out of memory. Tried to allocate 2.00 GiB. ...')."""
+    sentences = str(error).splitlines()[0].split(". ") if str(error) else [type(error).__name__]
+    return ". ".join(sentences[:3]).rstrip(".")[:240]

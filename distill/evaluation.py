@@ -113,7 +113,8 @@ def encode_student(
             student, target = model(features)[0]
         return torch.cat([student.float(), target.float()], dim=1)
 
-    both = map_sharded(accelerator, texts.lengths, batch_size, encode)
+    hint = f"lower --max_seq_length (the student reads up to {texts.max_length} tokens)"
+    both = map_sharded(accelerator, texts.lengths, batch_size, encode, too_long_hint=hint)
     return both[:, : model.student_dim], both[:, model.student_dim :]
 
 

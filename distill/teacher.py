@@ -193,7 +193,8 @@ class TeacherCache:
         batch 32) to 43% (40,000, batch 256) padding, against 0.8-1.2% by tokens, and a large teacher pays
         for every padded token. On a GPU the next batch is tokenized in a background thread while this one
         runs, since a small teacher otherwise waits for the tokenizer between batches; on a CPU the forward
-        pass already keeps every core busy.
+        pass already keeps every core busy. A batch that runs the GPU out of memory is encoded in halves, and
+        so is every later one (`map_sharded`): too large a --teacher_batch_size costs one failed batch.
         """
         teacher = self._load()  # first, so that importing sentence-transformers counts as loading
         from sentence_transformers.util import batch_to_device
@@ -209,10 +210,20 @@ class TeacherCache:
             embeddings = teacher(batch_to_device(features, teacher.device))["sentence_embedding"]
             return torch.nn.functional.normalize(embeddings.float(), p=2, dim=1)
 
-        if not tokenize_ahead(teacher.device):
-            map_sharded(self.accelerator, lengths, self.batch_size, lambda i: encode(tokenize(i)), sink=sink)
-        else:
-            map_sharded(self.accelerator, lengths, self.batch_size, encode, sink=sink, prepare=tokenize)
+        hint = (
+            f"lower --teacher_max_seq_length (the teacher reads up to {teacher.max_seq_length} tokens) or run the "
+            "teacher on a GPU with more memory"
+        )
+        ahead = tokenize_ahead(teacher.device)
+        map_sharded(
+            self.accelerator,
+            lengths,
+            self.batch_size,
+            encode if ahead else lambda indices: encode(tokenize(indices)),
+            sink=sink,
+            prepare=tokenize if ahead else None,
+            too_long_hint=hint,
+        )
 
     def _load(self):  # noqa: ANN202
         if self.teacher is None:

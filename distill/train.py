@@ -44,7 +44,7 @@ from distill.batching import (
 from distill.checkpoint import PHASES, TrainingState, find_checkpoint, read_state
 from distill.config import Config, dump_config, load_config, to_flat_dict
 from distill.data import DistillData, Pairs, load_data
-from distill.errors import DistillError
+from distill.errors import DistillError, OutOfMemory, memory_message
 from distill.evaluation import EvalInputs, EvalVectors, encode_student, evaluate_student, evaluate_teacher
 from distill.export import export_models, model_card
 from distill.hub import declared_dimension, resolve_model
@@ -229,7 +229,7 @@ def embed_with_teacher(accelerator: Accelerator, config: Config, data: DistillDa
         accelerator,
         TeacherSpec.from_config(config.model, accelerator.device),
         config.output.teacher_cache_dir,
-        config.training.batch_size,
+        config.training.teacher_batch_size or config.training.batch_size,
     )
     seconds = {}
     phase1 = cache.embeddings(data.phase1_texts, "document") if data.phase1_texts else None
@@ -442,6 +442,25 @@ def resume_point(config: Config) -> Path | None:
     return find_checkpoint(config.output.output_dir, spec) if spec else None
 
 
+def training_memory_message(
+    config: Config, phase: str, state: TrainingState, precision: str, error: BaseException
+) -> str:
+    """What to change when a training step does not fit on the device (every epoch starts with its widest batch)."""
+    t = config.training
+    fixes = [
+        f"lower --batch_size (now {t.batch_size} per process) and raise --gradient_accumulation_steps "
+        f"(now {t.gradient_accumulation_steps}) to keep the samples per optimizer step"
+    ]
+    if not t.gradient_checkpointing:
+        fixes.append("pass --gradient_checkpointing True")
+    if precision == "no":
+        fixes.append("use --mixed_precision bf16")
+    return (
+        f"{phase}: the student ran out of device memory at optimizer step {state.optimizer_steps + 1} "
+        f"({memory_message(error)}); {', or '.join(fixes)}"
+    )
+
+
 def periodic_evaluation(
     accelerator: Accelerator,
     config: Config,
@@ -516,17 +535,20 @@ def run(config: Config) -> dict:
             continue  # finished before the checkpoint; its figures are in the checkpoint's results
         loader = phase_loader(config, model.student, data, teacher, phase, world)
         settings = phase_settings(config, phase, world, dims, basis)
-        model = train_phase(
-            accelerator,
-            model,
-            loader,
-            settings,
-            state,
-            checkpoints,
-            resume if resume is not None and phase == state.phase else None,
-            periodic_evaluation(accelerator, config, evaluation, dims, phase, results, output_dir),
-            config.checkpoint.eval_steps,
-        )
+        try:
+            model = train_phase(
+                accelerator,
+                model,
+                loader,
+                settings,
+                state,
+                checkpoints,
+                resume if resume is not None and phase == state.phase else None,
+                periodic_evaluation(accelerator, config, evaluation, dims, phase, results, output_dir),
+                config.checkpoint.eval_steps,
+            )
+        except torch.OutOfMemoryError as e:  # evaluation halves its batches itself: this is a training step
+            raise OutOfMemory(training_memory_message(config, phase, state, accelerator.mixed_precision, e)) from None
         resume = None
         release_freed_memory()
         results["phases"][phase] = {
@@ -586,8 +608,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"distill: {e}", file=sys.stderr)
         return e.exit_code
     except DistillError as e:
-        if os.environ.get("RANK", "0") == "0":  # one line from one process, not one per rank
+        rank = os.environ.get("RANK", "0")
+        if rank == "0":  # one line from one process, not one per rank
             print(f"error: {e}", file=sys.stderr)
+        elif e.every_rank:  # its own problem; on a line of its own, not after rank 0's progress bar
+            print(f"\nerror: {e}", file=sys.stderr)
         return 2
 
 

@@ -404,70 +404,72 @@ def train_phase(
     stop_requested = False
     window_start = state.batches_done  # batches done at the last optimizer step: where a resume restarts
     started = time.perf_counter() - state.train_seconds
-    for epoch in range(state.epoch, settings.epochs):
-        state.epoch = epoch
-        batches = prepared_loader
-        if state.batches_done:
-            batches = accelerator.skip_first_batches(prepared_loader, state.batches_done)
-        # Accelerate's loaders push their own epoch counter into the sampler when iterated; a loader made
-        # by skip_first_batches starts that counter at 0, so set it explicitly to keep the data order.
-        batches.set_epoch(epoch)
-        sampler.set_epoch(epoch)
-        for batch in batches:
-            with accelerator.accumulate(wrapped):
-                loss, reported = phase_loss(accelerator, wrapped, batch, settings, memory)
-                accelerator.backward(loss)
-                global_loss, stop = batch_verdict(accelerator, reported, _Preemption.requested)
-                stop_requested = stop_requested or stop
-                if not math.isfinite(global_loss):  # before the optimizer step: the weights are still good
-                    state.batches_done = window_start
+    try:  # the bar ends its line before any error is printed, not glued to it
+        for epoch in range(state.epoch, settings.epochs):
+            state.epoch = epoch
+            batches = prepared_loader
+            if state.batches_done:
+                batches = accelerator.skip_first_batches(prepared_loader, state.batches_done)
+            # Accelerate's loaders push their own epoch counter into the sampler when iterated; a loader made
+            # by skip_first_batches starts that counter at 0, so set it explicitly to keep the data order.
+            batches.set_epoch(epoch)
+            sampler.set_epoch(epoch)
+            for batch in batches:
+                with accelerator.accumulate(wrapped):
+                    loss, reported = phase_loss(accelerator, wrapped, batch, settings, memory)
+                    accelerator.backward(loss)
+                    global_loss, stop = batch_verdict(accelerator, reported, _Preemption.requested)
+                    stop_requested = stop_requested or stop
+                    if not math.isfinite(global_loss):  # before the optimizer step: the weights are still good
+                        state.batches_done = window_start
+                        path = checkpoint()
+                        raise TrainingStopped(
+                            f"non-finite loss ({global_loss}) in {settings.name} at optimizer step "
+                            f"{state.optimizer_steps + 1} (epoch {epoch}); the checkpoint from before it is {path}; "
+                            "lower the learning rate or use --mixed_precision bf16/no, then --resume_from_checkpoint",
+                            exit_code=3,
+                        )
+                    if accelerator.sync_gradients and settings.max_grad_norm > 0:
+                        accelerator.clip_grad_norm_(wrapped.parameters(), settings.max_grad_norm)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                window_losses.append(global_loss)
+                state.batches_done += 1
+                state.train_samples += sampler.batch_size
+                if not accelerator.sync_gradients:
+                    continue
+                memory.commit()
+                average.update(plain)
+                mean_loss = sum(window_losses) / len(window_losses)
+                window_losses.clear()
+                window_start = state.batches_done
+                state.optimizer_steps += 1
+                state.accelerator_step = accelerator.step
+                state.losses.append(mean_loss)
+                state.train_seconds = time.perf_counter() - started
+                progress.update(1)
+                progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}", refresh=False)
+                accelerator.log({f"{settings.name}/loss": mean_loss, f"{settings.name}/lr": scheduler.get_last_lr()[0]})
+                if stop_requested:  # decided collectively (batch_verdict): every rank stops at the same step
+                    _Preemption.requested = False
                     path = checkpoint()
                     raise TrainingStopped(
-                        f"non-finite loss ({global_loss}) in {settings.name} at optimizer step "
-                        f"{state.optimizer_steps + 1} (epoch {epoch}); the checkpoint from before it is {path}; "
-                        "lower the learning rate or use --mixed_precision bf16/no, then --resume_from_checkpoint",
-                        exit_code=3,
+                        f"stopped by SIGTERM in {settings.name} at optimizer step {state.optimizer_steps}; checkpoint "
+                        f"saved to {path}; continue with --resume_from_checkpoint latest",
+                        exit_code=143,
                     )
-                if accelerator.sync_gradients and settings.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(wrapped.parameters(), settings.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            window_losses.append(global_loss)
-            state.batches_done += 1
-            state.train_samples += sampler.batch_size
-            if not accelerator.sync_gradients:
-                continue
-            memory.commit()
-            average.update(plain)
-            mean_loss = sum(window_losses) / len(window_losses)
-            window_losses.clear()
-            window_start = state.batches_done
-            state.optimizer_steps += 1
-            state.accelerator_step = accelerator.step
-            state.losses.append(mean_loss)
-            state.train_seconds = time.perf_counter() - started
-            progress.update(1)
-            progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}", refresh=False)
-            accelerator.log({f"{settings.name}/loss": mean_loss, f"{settings.name}/lr": scheduler.get_last_lr()[0]})
-            if stop_requested:  # decided collectively (batch_verdict): every rank stops at the same step
-                _Preemption.requested = False
-                path = checkpoint()
-                raise TrainingStopped(
-                    f"stopped by SIGTERM in {settings.name} at optimizer step {state.optimizer_steps}; checkpoint "
-                    f"saved to {path}; continue with --resume_from_checkpoint latest",
-                    exit_code=143,
-                )
-            if evaluate is not None and eval_steps and state.optimizer_steps % eval_steps == 0:
-                evaluate(average.model(plain), state.optimizer_steps)  # collective: all ranks
-            if checkpoints.every and state.optimizer_steps % checkpoints.every == 0:
-                checkpoint()
-            if TRIM_EVERY and accelerator.device.type == "cpu" and state.optimizer_steps % TRIM_EVERY == 0:
-                release_freed_memory()
-        state.batches_done = window_start = 0
+                if evaluate is not None and eval_steps and state.optimizer_steps % eval_steps == 0:
+                    evaluate(average.model(plain), state.optimizer_steps)  # collective: all ranks
+                if checkpoints.every and state.optimizer_steps % checkpoints.every == 0:
+                    checkpoint()
+                if TRIM_EVERY and accelerator.device.type == "cpu" and state.optimizer_steps % TRIM_EVERY == 0:
+                    release_freed_memory()
+            state.batches_done = window_start = 0
+    finally:
+        progress.close()
     state.epoch = settings.epochs
     state.train_seconds = time.perf_counter() - started
-    progress.close()
     average.apply_to(plain)
     accelerator.free_memory()  # forget this phase's optimizer, scheduler and loader; the next phase re-prepares
     return plain

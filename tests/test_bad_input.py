@@ -90,6 +90,10 @@ CASES = {
         lambda m, d, t: {"phase1_epochs": -1, "batch_size": 0},
         r"batch_size: expected a number greater than 0, got 0; phase1_epochs: expected a number greater than 0",
     ),
+    "zero teacher batch": (
+        lambda m, d, t: {"teacher_batch_size": 0},
+        r"teacher_batch_size: expected a positive integer or nothing, got 0",
+    ),
     "missing accelerate config": (
         lambda m, d, t: {"accelerate_config": t / "nope.yaml"},
         r"accelerate_config: '.*nope.yaml' does not exist; pass one of accelerate_configs/",
@@ -161,3 +165,63 @@ def test_resume_loads_no_pickle(tiny_models, tiny_data, tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "load", checked_load)
     assert main([*flags, "--resume_from_checkpoint", "latest"]) == 0
     assert calls and all(flag is True for flag in calls), calls
+
+
+OUT_OF_MEMORY = (
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB of which 1.05 GiB is "
+    "free. Including non-PyTorch memory, this process has 78.04 GiB memory in use."
+)
+
+
+def test_a_training_step_out_of_device_memory_says_what_to_change(
+    tiny_models, tiny_data, tmp_path, capsys, monkeypatch
+):
+    import distill.training as training
+
+    def no_room(*args: object, **kwargs: object) -> None:
+        raise torch.OutOfMemoryError(OUT_OF_MEMORY)
+
+    monkeypatch.setattr(training, "phase_loss", no_room)
+    out = tmp_path / "out"
+    assert main(tiny_run_flags(tiny_models, tiny_data, out)) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert [line for line in lines if line.startswith("error: ")] == [
+        "error: phase1: the student ran out of device memory at optimizer step 1 (CUDA out of memory. Tried to "
+        "allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB of which 1.05 GiB is free); lower --batch_size "
+        "(now 8 per process) and raise --gradient_accumulation_steps (now 1) to keep the samples per optimizer step, "
+        "or pass --gradient_checkpointing True, or use --mixed_precision bf16"
+    ], lines
+    assert "Traceback" not in "\n".join(lines)
+    assert not (out / "results.json").exists() and not (out / "artifacts").exists()
+
+
+@pytest.mark.multiprocess
+def test_out_of_device_memory_on_one_rank_is_reported_by_that_rank(tiny_models, tiny_data, tmp_path):
+    """Rank 1 alone runs out of memory: it says so with its rank, and rank 0 does not wait for it forever."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        "import sys\nimport torch\nimport distill.training as training\nfrom distill.train import main\n"
+        "real = training.phase_loss\n\n"
+        "def phase_loss(accelerator, *args, **kwargs):\n"
+        "    if accelerator.process_index == 1:\n"
+        f"        raise torch.OutOfMemoryError({OUT_OF_MEMORY!r})\n"
+        "    return real(accelerator, *args, **kwargs)\n\n"
+        "training.phase_loss = phase_loss\nsys.exit(main())\n"
+    )
+    out = tmp_path / "out"
+    flags = tiny_run_flags(tiny_models, tiny_data, out, skip_phase2=True)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", ACCELERATE_USE_CPU="true", PYTHONPATH=str(REPO))
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(driver), *flags],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0
+    ours = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and ours[0].startswith(
+        "error: [rank 1] phase1: the student ran out of device memory at optimizer step 1 (CUDA out of memory."
+    ), done.stderr[-3000:]
+    assert not (out / "results.json").exists()

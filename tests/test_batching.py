@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,7 @@ from distill.batching import (
     map_sharded,
     topic_clusters,
 )
+from distill.errors import OutOfMemory
 
 
 @pytest.fixture(scope="module")
@@ -483,3 +485,49 @@ def test_map_sharded_prepares_the_next_batch_in_the_background(accelerator: Acce
 
     with pytest.raises(ValueError, match="tokenizer says no"):  # raised to the caller, not lost in the thread
         map_sharded(accelerator, lengths, 8, encode, chunk_size=16, prepare=broken)
+
+
+def out_of_memory_above(limit: int, calls: list[int]) -> Callable[[list[int]], torch.Tensor]:
+    """An encode that, like a GPU, fails on batches of more than `limit` items (torch's error and message)."""
+
+    def encode(indices: list[int]) -> torch.Tensor:
+        calls.append(len(indices))
+        if len(indices) > limit:
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB of which "
+                "1.05 GiB is free. Including non-PyTorch memory, this process has 78.04 GiB memory in use."
+            )
+        return torch.tensor([[i, 2 * i] for i in indices], dtype=torch.float32)
+
+    return encode
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_map_sharded_halves_the_batches_when_the_device_runs_out_of_memory(
+    accelerator: Accelerator, ahead: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A batch too large for the device: it and every later batch are split, and every row still comes back."""
+    lengths = wide_lengths(50, seed=4)
+    calls: list[int] = []
+    encode = out_of_memory_above(3, calls)
+    kwargs = {"prepare": lambda indices: list(indices)} if ahead else {}
+    with caplog.at_level("WARNING"):
+        out = map_sharded(accelerator, lengths, 8, encode, chunk_size=16, **kwargs)
+    assert np.array_equal(out[:, 0], np.arange(50)) and np.array_equal(out[:, 1], 2 * np.arange(50))
+    # 8 fails, 4 fails, then 2 fits; after that no batch is tried above 2 (nor re-tried at 8)
+    assert calls[:3] == [8, 4, 2] and max(calls[3:]) == 2 and sum(calls[2:]) == 50
+    warnings = [r.getMessage() for r in caplog.records if "out of device memory" in r.getMessage()]
+    assert len(warnings) == 2 and "batches of at most 4" in warnings[0] and "batches of at most 2" in warnings[1]
+    assert "Tried to allocate 2.00 GiB" in warnings[0]
+
+
+def test_map_sharded_reports_a_single_item_that_does_not_fit(accelerator: Accelerator) -> None:
+    calls: list[int] = []
+    with pytest.raises(OutOfMemory) as raised:
+        map_sharded(
+            accelerator, wide_lengths(20, seed=1), 8, out_of_memory_above(0, calls), too_long_hint="lower --max_len"
+        )
+    assert calls == [8, 4, 2, 1]
+    message = str(raised.value)
+    assert message.startswith("out of device memory encoding a single text (CUDA out of memory. Tried to allocate")
+    assert message.endswith("; lower --max_len") and "\n" not in message

@@ -343,3 +343,33 @@ def test_tokenizing_ahead_gives_the_same_vectors(
     assert seen["prepare"] is not None
     expected = reference_embeddings(tiny_models["teacher"], texts, prompt="query: ")
     np.testing.assert_allclose(vectors, expected, atol=2e-3)
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_teacher_batch_too_large_for_the_device_is_encoded_in_halves(
+    accelerator: Accelerator,
+    tiny_models: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    ahead: bool,
+) -> None:
+    """A --teacher_batch_size too large for the GPU (out of memory above 3 texts): same vectors, smaller batches."""
+    import torch
+
+    monkeypatch.setattr(teacher_module, "tokenize_ahead", lambda device: ahead)
+    texts = sentences(37, seed=11)
+    expected = reference_embeddings(tiny_models["teacher"], texts)  # before forward is patched
+    cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache")
+    teacher = cache._load()
+    real_forward, sizes = type(teacher).forward, []
+
+    def forward(self, features, *args, **kwargs):  # noqa: ANN001, ANN202
+        sizes.append(len(features["input_ids"]))
+        if sizes[-1] > 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB.")
+        return real_forward(self, features, *args, **kwargs)
+
+    monkeypatch.setattr(type(teacher), "forward", forward)
+    vectors = np.asarray(cache.embeddings(texts, "document"), dtype=np.float32)
+    assert sizes[:3] == [8, 4, 2] and max(sizes[3:]) == 2
+    np.testing.assert_allclose(vectors, expected, atol=2e-3)

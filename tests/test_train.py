@@ -293,6 +293,23 @@ def test_mined_hard_negatives_join_phase_two_without_re_encoding(tiny_models, ti
     assert results_of(out)["phases"]["phase2"]["optimizer_steps"] > 0
 
 
+def test_teacher_batch_size_sets_the_teachers_batches_only(tiny_models, tiny_data, tmp_path, monkeypatch):
+    import distill.evaluation as evaluation_module
+    import distill.teacher as teacher_module
+
+    sizes: dict[str, set[int]] = {"teacher": set(), "student": set()}
+    for name, module in (("teacher", teacher_module), ("student", evaluation_module)):
+
+        def spy(accelerator, lengths, batch_size, encode, real=module.map_sharded, seen=sizes[name], **kwargs):  # noqa: ANN001, ANN202
+            seen.add(batch_size)
+            return real(accelerator, lengths, batch_size, encode, **kwargs)
+
+        monkeypatch.setattr(module, "map_sharded", spy)
+    out = tmp_path / "teacher_batch"
+    assert main(tiny_run_flags(tiny_models, tiny_data, out, teacher_batch_size=5, skip_phase2=True)) == 0
+    assert sizes == {"teacher": {5}, "student": {16}}  # the student's evaluation keeps 2 x batch_size
+
+
 def test_topic_clusters_shape_phase_two_batches_only(tiny_models, tiny_data, tmp_path, monkeypatch):
     import distill.train as train_module
 
