@@ -3,13 +3,16 @@
 A cache entry is a folder `<teacher_cache_dir>/<key>/` holding `embeddings.npy` (float16, memory-mapped
 on read) and `manifest.json`. The key hashes everything that changes the vectors: the teacher's weights
 (file hash or Hub commit), the prompt, the max length, normalisation, the compute dtype, and the texts.
-Entries are written to a temporary folder and renamed, so a crash never leaves half an entry; an entry
+Entries are written to a staging folder and renamed, so a crash never leaves half an entry; an entry
 whose manifest or sizes do not match is reported and rebuilt. A run whose entries all exist loads no
-teacher at all.
+teacher at all. Encoding goes in blocks of texts, longest first, and the staging folder records after
+each block how far it got: a run killed while encoding (preemption, a node failure) is continued by the
+next run with the same inputs instead of started over.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
@@ -35,6 +38,7 @@ logger = get_logger(__name__)
 
 CACHE_FORMAT = 1
 CACHE_DTYPE = np.float16
+BLOCK_ROWS_PER_PROCESS = 16384  # texts each process encodes between two progress marks: what a kill can cost
 
 Role = Literal["query", "document"]
 
@@ -170,7 +174,12 @@ class TeacherCache:
         writer = (
             CacheWriter(entry, key, len(texts), role, self.spec) if self.accelerator.is_local_main_process else None
         )
-        self._encode_sharded(texts, role, writer.write if writer else lambda indices, vectors: None)
+        try:
+            self._encode_sharded(texts, role, writer)
+        except BaseException:
+            if writer is not None:
+                writer.close()  # the staging folder stays for the next run to continue from
+            raise
         self.seconds += time.perf_counter() - started
         problem = writer.commit() if writer else None  # an error is raised after the barrier: nobody waits alone
         self.accelerator.wait_for_everyone()
@@ -184,8 +193,8 @@ class TeacherCache:
             )
         return cached
 
-    def _encode_sharded(self, texts: list[str], role: Role, sink) -> None:  # noqa: ANN001
-        """Each process encodes its share of the texts, longest first; `sink` gets every gathered chunk.
+    def _encode_sharded(self, texts: list[str], role: Role, writer: CacheWriter | None) -> None:
+        """Each process encodes its share of the texts, block by block, longest first, into `writer`.
 
         Per batch this does what `SentenceTransformer.encode` does (`preprocess` with the prompt, forward,
         normalise), but texts are sorted by their exact token count (a tokenizer pass first), not by
@@ -194,16 +203,19 @@ class TeacherCache:
         for every padded token. On a GPU the next batch is tokenized in a background thread while this one
         runs, since a small teacher otherwise waits for the tokenizer between batches; on a CPU the forward
         pass already keeps every core busy. A batch that runs the GPU out of memory is encoded in halves, and
-        so is every later one (`map_sharded`): too large a --teacher_batch_size costs one failed batch.
+        so is every later one of its block (`map_sharded`): too large a --teacher_batch_size costs one failed
+        batch per block.
+
+        The texts, longest first, are cut into blocks of BLOCK_ROWS_PER_PROCESS per process; after each block
+        the writers mark how many texts of that order are done. A restart begins after the texts every
+        machine's writer has marked, whatever the number of processes now.
         """
         teacher = self._load()  # first, so that importing sentence-transformers counts as loading
         from sentence_transformers.util import batch_to_device
 
         prompt = self.spec.query_prompt if role == "query" else ""
         lengths = np.asarray(token_lengths(teacher, [prompt + t for t in texts], teacher.max_seq_length))
-
-        def tokenize(indices: list[int]) -> dict:
-            return teacher.preprocess([texts[i] for i in indices], prompt=prompt or None)
+        order = np.argsort(-lengths, kind="stable")  # the longest block first: a size that fits it fits the rest
 
         @torch.inference_mode()
         def encode(features: dict) -> torch.Tensor:
@@ -215,15 +227,34 @@ class TeacherCache:
             "teacher on a GPU with more memory"
         )
         ahead = tokenize_ahead(teacher.device)
-        map_sharded(
-            self.accelerator,
-            lengths,
-            self.batch_size,
-            encode if ahead else lambda indices: encode(tokenize(indices)),
-            sink=sink,
-            prepare=tokenize if ahead else None,
-            too_long_hint=hint,
-        )
+        done = resume_point(self.accelerator, writer.resume() if writer else len(texts))
+        if done:
+            logger.warning(
+                f"teacher cache: continuing an interrupted encoding at {done} of {len(texts)} {role} texts",
+                main_process_only=True,
+            )
+        block = BLOCK_ROWS_PER_PROCESS * self.accelerator.num_processes
+        for start in range(done, len(texts), block):
+            rows = np.sort(order[start : start + block])  # in text order; map_sharded shards and sorts them
+
+            def tokenize(indices: list[int], rows: np.ndarray = rows) -> dict:
+                return teacher.preprocess([texts[rows[i]] for i in indices], prompt=prompt or None)
+
+            def sink(indices: np.ndarray, vectors: np.ndarray, rows: np.ndarray = rows) -> None:
+                if writer is not None:
+                    writer.write(rows[indices], vectors)
+
+            map_sharded(
+                self.accelerator,
+                lengths[rows],
+                self.batch_size,
+                encode if ahead else lambda indices, tokenize=tokenize: encode(tokenize(indices)),
+                sink=sink,
+                prepare=tokenize if ahead else None,
+                too_long_hint=hint,
+            )
+            if writer is not None:
+                writer.mark(min(start + block, len(texts)))
 
     def _load(self):  # noqa: ANN202
         if self.teacher is None:
@@ -295,6 +326,12 @@ def token_lengths(model, texts: list[str], max_length: int | None, chunk_size: i
     return lengths
 
 
+def resume_point(accelerator: Accelerator, rows_done: int) -> int:
+    """The texts every machine's writer has marked done (non-writers pass the total): the smallest count."""
+    counts = accelerator.gather(torch.tensor([rows_done], dtype=torch.int64, device=accelerator.device))
+    return int(counts.min())
+
+
 def read_entry(entry: Path, key: str, count: int) -> np.ndarray | None:
     """The entry's embeddings if its manifest and sizes match what was asked for, else None."""
     manifest = read_json(entry / "manifest.json") if entry.is_dir() else {}
@@ -312,18 +349,62 @@ def read_entry(entry: Path, key: str, count: int) -> np.ndarray | None:
     return vectors
 
 
-class CacheWriter:
-    """Streams gathered vectors into `<entry>.tmp-*/embeddings.npy` (a memory map), then renames it into place.
+def claim(path: Path) -> int | None:
+    """A file descriptor holding an exclusive lock on `path`, or None: another process holds it, or no locks here."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        return None
+    fd = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.fstat(fd).st_ino != os.stat(path).st_ino:  # its last holder removed it while we opened it
+            raise OSError("lock file replaced")
+        return fd
+    except OSError:
+        if fd is not None:
+            os.close(fd)
+        return None
 
-    Write errors (a full disk) are remembered, not raised, so the writer keeps taking part in the gathers;
-    `commit` returns the error message, or None once the entry is in place.
+
+class CacheWriter:
+    """Streams gathered vectors into a staging folder's `embeddings.npy` (a memory map), then renames it into place.
+
+    The staging folder `.<key>.partial-<host>` outlives a killed run: `mark(n)` records (after flushing the
+    vectors) that the first n texts of the encoding order are in it, and `resume()` in the next run on this
+    machine returns that n. A lock file keeps two runs on one machine from sharing it; a run that cannot
+    take the lock (another run is encoding the same texts, or the filesystem has no locks) stages under its
+    process id and cannot be resumed. Write errors (a full disk) are remembered, not raised, so the writer
+    keeps taking part in the gathers; `commit` returns the error message, or None once the entry is in place.
     """
 
     def __init__(self, entry: Path, key: str, count: int, role: Role, spec: TeacherSpec):
         self.entry, self.key, self.count, self.role, self.spec = entry, key, count, role, spec
-        self.staging = entry.parent / f".{entry.name}.tmp-{socket.gethostname()}-{os.getpid()}"
+        host = socket.gethostname()
+        self.lock_path = entry.parent / f".{entry.name}.lock-{host}"
+        self.lock = claim(self.lock_path)
+        suffix = f"partial-{host}" if self.lock is not None else f"tmp-{host}-{os.getpid()}"
+        self.staging = entry.parent / f".{entry.name}.{suffix}"
         self.vectors: np.ndarray | None = None
         self.problem: str | None = None
+
+    def resume(self) -> int:
+        """Texts an interrupted run on this machine left done in the staging folder; 0 (and it cleared) if none."""
+        progress = {}
+        if self.lock is not None:
+            with contextlib.suppress(ValueError, OSError):  # unreadable: start over
+                progress = read_json(self.staging / "progress.json")
+        if isinstance(progress, dict) and progress.get("key") == self.key and progress.get("count") == self.count:
+            with contextlib.suppress(ValueError, OSError, KeyError, TypeError):
+                vectors = np.load(self.staging / "embeddings.npy", mmap_mode="r+")
+                done = int(progress["rows_done"])
+                if vectors.shape[0] == self.count and vectors.dtype == CACHE_DTYPE and 0 <= done <= self.count:
+                    self.vectors = vectors
+                    return done
+        shutil.rmtree(self.staging, ignore_errors=True)
+        return 0
 
     def write(self, indices: np.ndarray, vectors: np.ndarray) -> None:
         if self.problem:
@@ -337,6 +418,19 @@ class CacheWriter:
                     self.staging / "embeddings.npy", mode="w+", dtype=CACHE_DTYPE, shape=(self.count, vectors.shape[1])
                 )
             self.vectors[indices] = vectors.astype(CACHE_DTYPE)
+        except OSError as e:
+            self._fail(e)
+
+    def mark(self, rows_done: int) -> None:
+        """The first `rows_done` texts of the encoding order are written: flush them, then say so."""
+        if self.problem or self.vectors is None or self.lock is None:
+            return
+        try:
+            self.vectors.flush()
+            progress = self.staging / "progress.json"
+            tmp = progress.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"key": self.key, "count": self.count, "rows_done": rows_done}))
+            os.replace(tmp, progress)
         except OSError as e:
             self._fail(e)
 
@@ -359,6 +453,7 @@ class CacheWriter:
                     "max_seq_length": self.spec.max_seq_length,
                 }
                 (self.staging / "manifest.json").write_text(json.dumps(manifest, indent=2))
+                (self.staging / "progress.json").unlink(missing_ok=True)
                 if self.entry.exists():  # a corrupt entry: move it aside, then swap in the good one
                     stale = self.entry.parent / f".{self.entry.name}.stale-{os.getpid()}"
                     os.replace(self.entry, stale)
@@ -368,8 +463,19 @@ class CacheWriter:
                 if read_entry(self.entry, self.key, self.count) is None:
                     self._fail(e)
                 # else: another machine sharing this folder wrote the same entry first
-        shutil.rmtree(self.staging, ignore_errors=True)
+        if self.problem is None or self.lock is None:  # a failed write keeps what a rerun can continue from
+            shutil.rmtree(self.staging, ignore_errors=True)
+        self.close()
         return self.problem
+
+    def close(self) -> None:
+        """Let go of the staging folder (kept as it is) and its lock."""
+        self.vectors = None
+        if self.lock is not None:
+            with contextlib.suppress(OSError):
+                self.lock_path.unlink()  # while still held: a process that opened it before sees another inode
+            os.close(self.lock)
+            self.lock = None
 
     def _fail(self, error: OSError) -> None:
         self.vectors = None

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -373,3 +376,141 @@ def test_a_teacher_batch_too_large_for_the_device_is_encoded_in_halves(
     vectors = np.asarray(cache.embeddings(texts, "document"), dtype=np.float32)
     assert sizes[:3] == [8, 4, 2] and max(sizes[3:]) == 2
     np.testing.assert_allclose(vectors, expected, atol=2e-3)
+
+
+class Killed(BaseException):
+    """Stands for the run being killed (not an Exception: nothing may catch it on the way out)."""
+
+
+def interrupt_after_blocks(monkeypatch: pytest.MonkeyPatch, blocks: int) -> list[int]:
+    """map_sharded in the teacher raises Killed once `blocks` blocks are encoded; returns the blocks' sizes."""
+    from distill.batching import map_sharded as real_map  # not an earlier spy
+
+    sizes: list[int] = []
+
+    def spy(accelerator, lengths, batch_size, encode, **kwargs):  # noqa: ANN001, ANN202
+        if len(sizes) == blocks:
+            raise Killed
+        sizes.append(len(lengths))
+        return real_map(accelerator, lengths, batch_size, encode, **kwargs)
+
+    monkeypatch.setattr(teacher_module, "map_sharded", spy)
+    return sizes
+
+
+def test_an_interrupted_encoding_is_continued_not_started_over(
+    accelerator: Accelerator,
+    tiny_models: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(teacher_module, "BLOCK_ROWS_PER_PROCESS", 8)
+    texts, cache_dir = sentences(37, seed=11), tmp_path / "cache"
+    first = interrupt_after_blocks(monkeypatch, 2)
+    with pytest.raises(Killed):
+        make_cache(accelerator, tiny_models["teacher"], cache_dir).embeddings(texts, "document")
+    assert first == [8, 8]
+    (staging,) = cache_dir.iterdir()  # no entry yet, only what the next run continues from
+    assert staging.name.startswith(".") and ".partial-" in staging.name
+    assert json.loads((staging / "progress.json").read_text())["rows_done"] == 16
+
+    second = interrupt_after_blocks(monkeypatch, 99)
+    cache = make_cache(accelerator, tiny_models["teacher"], cache_dir)
+    with caplog.at_level("WARNING"):
+        vectors = np.asarray(cache.embeddings(texts, "document"), dtype=np.float32)
+    assert second == [8, 8, 5]  # the 21 texts left, not all 37
+    said = "continuing an interrupted encoding at 16 of 37 document texts"
+    assert any(said in r.getMessage() for r in caplog.records)
+    np.testing.assert_allclose(vectors, reference_embeddings(tiny_models["teacher"], texts), atol=2e-3)
+    entries = cache_entries(cache_dir)
+    assert [p.name for p in entries] == [cache.key(texts, "document")]  # staging renamed, lock file gone
+    assert sorted(p.name for p in entries[0].iterdir()) == ["embeddings.npy", "manifest.json"]
+
+
+def test_a_staging_folder_from_other_inputs_is_not_continued(
+    accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(teacher_module, "BLOCK_ROWS_PER_PROCESS", 8)
+    texts, cache_dir = sentences(37, seed=11), tmp_path / "cache"
+    interrupt_after_blocks(monkeypatch, 2)
+    with pytest.raises(Killed):
+        make_cache(accelerator, tiny_models["teacher"], cache_dir).embeddings(texts, "document")
+    (staging,) = cache_dir.iterdir()
+    progress = json.loads((staging / "progress.json").read_text())
+    (staging / "progress.json").write_text(json.dumps({**progress, "count": 36}))  # not these texts
+    sizes = interrupt_after_blocks(monkeypatch, 99)
+    make_cache(accelerator, tiny_models["teacher"], cache_dir).embeddings(texts, "document")
+    assert sum(sizes) == 37
+
+
+def test_a_second_run_encoding_the_same_texts_stages_apart(
+    accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Two runs on one machine missing the same entry: one takes the resumable staging folder, the other its own."""
+    cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache")
+    texts = sentences(5, seed=1)
+    entry, key = tmp_path / "cache" / cache.key(texts, "document"), cache.key(texts, "document")
+    first = teacher_module.CacheWriter(entry, key, 5, "document", cache.spec)
+    second = teacher_module.CacheWriter(entry, key, 5, "document", cache.spec)
+    assert ".partial-" in first.staging.name and ".tmp-" in second.staging.name
+    first.close()
+    second.close()
+    third = teacher_module.CacheWriter(entry, key, 5, "document", cache.spec)  # the lock is free again
+    assert ".partial-" in third.staging.name
+    third.close()
+
+
+CONTINUE_ON_TWO_PROCESSES = """
+import json, sys
+from pathlib import Path
+from accelerate import Accelerator
+import distill.teacher as teacher_module
+from distill.config import ModelConfig
+
+model, cache_dir, texts_file, out = sys.argv[1:5]
+teacher_module.BLOCK_ROWS_PER_PROCESS = 4
+accelerator = Accelerator(cpu=True)
+blocks, real_map = [], teacher_module.map_sharded
+
+def spy(accelerator, lengths, *args, **kwargs):
+    blocks.append(len(lengths))
+    return real_map(accelerator, lengths, *args, **kwargs)
+
+teacher_module.map_sharded = spy
+spec = teacher_module.TeacherSpec.from_config(ModelConfig(teacher_model=model), accelerator.device)
+cache = teacher_module.TeacherCache(accelerator, spec, cache_dir, batch_size=8)
+cache.embeddings(json.loads(Path(texts_file).read_text()), "document")
+Path(f"{out}.{accelerator.process_index}").write_text(json.dumps([accelerator.num_processes, blocks]))
+"""
+
+
+@pytest.mark.multiprocess
+def test_two_processes_continue_what_one_process_began(
+    accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The resume point is agreed by every rank (a collective), and is a count of texts, not of one run's blocks."""
+    monkeypatch.setattr(teacher_module, "BLOCK_ROWS_PER_PROCESS", 8)
+    texts, cache_dir = sentences(37, seed=11), tmp_path / "cache"
+    interrupt_after_blocks(monkeypatch, 2)
+    with pytest.raises(Killed):
+        make_cache(accelerator, tiny_models["teacher"], cache_dir).embeddings(texts, "document")
+    (tmp_path / "texts.json").write_text(json.dumps(texts))
+    (tmp_path / "driver.py").write_text(CONTINUE_ON_TWO_PROCESSES)
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", ACCELERATE_USE_CPU="true", PYTHONPATH=str(repo))
+    args = [str(tiny_models["teacher"]), str(cache_dir), str(tmp_path / "texts.json"), str(tmp_path / "seen")]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(tmp_path / "driver.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):  # 21 texts left, in blocks of 4 per process
+        assert json.loads((tmp_path / f"seen.{rank}").read_text()) == [2, [8, 8, 5]]
+    cache = make_cache(accelerator, tiny_models["teacher"], cache_dir)
+    vectors = np.asarray(cache.embeddings(texts, "document"), dtype=np.float32)  # a warm hit now
+    assert not cache.loaded
+    np.testing.assert_allclose(vectors, reference_embeddings(tiny_models["teacher"], texts), atol=2e-3)
