@@ -398,6 +398,19 @@ def interrupt_after_blocks(monkeypatch: pytest.MonkeyPatch, blocks: int) -> list
     return sizes
 
 
+def killed_after_two_blocks(
+    accelerator: Accelerator, tiny_models: dict[str, Path], cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> list[str]:
+    """A run killed after encoding 2 blocks of 8 of 37 texts; the texts. Blocks stay 8 texts per process."""
+    monkeypatch.setattr(teacher_module, "BLOCK_ROWS_PER_PROCESS", 8)
+    texts = sentences(37, seed=11)
+    sizes = interrupt_after_blocks(monkeypatch, 2)
+    with pytest.raises(Killed):
+        make_cache(accelerator, tiny_models["teacher"], cache_dir).embeddings(texts, "document")
+    assert sizes == [8, 8]  # the 16 longest texts, then the kill
+    return texts
+
+
 def test_an_interrupted_encoding_is_continued_not_started_over(
     accelerator: Accelerator,
     tiny_models: dict[str, Path],
@@ -405,12 +418,8 @@ def test_an_interrupted_encoding_is_continued_not_started_over(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    monkeypatch.setattr(teacher_module, "BLOCK_ROWS_PER_PROCESS", 8)
-    texts, cache_dir = sentences(37, seed=11), tmp_path / "cache"
-    first = interrupt_after_blocks(monkeypatch, 2)
-    with pytest.raises(Killed):
-        make_cache(accelerator, tiny_models["teacher"], cache_dir).embeddings(texts, "document")
-    assert first == [8, 8]
+    cache_dir = tmp_path / "cache"
+    texts = killed_after_two_blocks(accelerator, tiny_models, cache_dir, monkeypatch)
     (staging,) = cache_dir.iterdir()  # no entry yet, only what the next run continues from
     assert staging.name.startswith(".") and ".partial-" in staging.name
     assert json.loads((staging / "progress.json").read_text())["rows_done"] == 16
@@ -431,11 +440,8 @@ def test_an_interrupted_encoding_is_continued_not_started_over(
 def test_a_staging_folder_from_other_inputs_is_not_continued(
     accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(teacher_module, "BLOCK_ROWS_PER_PROCESS", 8)
-    texts, cache_dir = sentences(37, seed=11), tmp_path / "cache"
-    interrupt_after_blocks(monkeypatch, 2)
-    with pytest.raises(Killed):
-        make_cache(accelerator, tiny_models["teacher"], cache_dir).embeddings(texts, "document")
+    cache_dir = tmp_path / "cache"
+    texts = killed_after_two_blocks(accelerator, tiny_models, cache_dir, monkeypatch)
     (staging,) = cache_dir.iterdir()
     progress = json.loads((staging / "progress.json").read_text())
     (staging / "progress.json").write_text(json.dumps({**progress, "count": 36}))  # not these texts
@@ -490,11 +496,8 @@ def test_two_processes_continue_what_one_process_began(
     accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The resume point is agreed by every rank (a collective), and is a count of texts, not of one run's blocks."""
-    monkeypatch.setattr(teacher_module, "BLOCK_ROWS_PER_PROCESS", 8)
-    texts, cache_dir = sentences(37, seed=11), tmp_path / "cache"
-    interrupt_after_blocks(monkeypatch, 2)
-    with pytest.raises(Killed):
-        make_cache(accelerator, tiny_models["teacher"], cache_dir).embeddings(texts, "document")
+    cache_dir = tmp_path / "cache"
+    texts = killed_after_two_blocks(accelerator, tiny_models, cache_dir, monkeypatch)
     (tmp_path / "texts.json").write_text(json.dumps(texts))
     (tmp_path / "driver.py").write_text(CONTINUE_ON_TWO_PROCESSES)
     repo = Path(__file__).resolve().parents[1]
