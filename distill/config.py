@@ -432,8 +432,13 @@ def validate(config: Config) -> list[str]:
     for name, value in positive.items():
         if not value > 0:
             problems.append(f"{name}: expected a number greater than 0, got {value}")
-    for name in ("student_num_layers", "max_seq_length", "teacher_max_seq_length", "teacher_batch_size"):
-        value = getattr(config.training if name == "teacher_batch_size" else config.model, name)
+    optional = {
+        "student_num_layers": config.model.student_num_layers,
+        "max_seq_length": config.model.max_seq_length,
+        "teacher_max_seq_length": config.model.teacher_max_seq_length,
+        "teacher_batch_size": config.training.teacher_batch_size,
+    }
+    for name, value in optional.items():
         if value is not None and value < 1:
             problems.append(f"{name}: expected a positive integer or nothing, got {value}")
     dropout = config.model.student_attention_dropout

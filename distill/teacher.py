@@ -227,7 +227,7 @@ class TeacherCache:
             "teacher on a GPU with more memory"
         )
         ahead = tokenize_ahead(teacher.device)
-        done = resume_point(self.accelerator, writer.resume() if writer else len(texts))
+        done = rows_done_everywhere(self.accelerator, writer.resume() if writer else len(texts))
         if done:
             logger.warning(
                 f"teacher cache: continuing an interrupted encoding at {done} of {len(texts)} {role} texts",
@@ -326,7 +326,7 @@ def token_lengths(model, texts: list[str], max_length: int | None, chunk_size: i
     return lengths
 
 
-def resume_point(accelerator: Accelerator, rows_done: int) -> int:
+def rows_done_everywhere(accelerator: Accelerator, rows_done: int) -> int:
     """The texts every machine's writer has marked done (non-writers pass the total): the smallest count."""
     counts = accelerator.gather(torch.tensor([rows_done], dtype=torch.int64, device=accelerator.device))
     return int(counts.min())
