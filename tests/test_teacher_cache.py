@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from accelerate import Accelerator
 
+import distill.cache as cache_module
 import distill.teacher as teacher_module
 from conftest import sentences
 from distill.config import ModelConfig
@@ -88,6 +91,8 @@ def test_warm_cache_loads_no_teacher(
     first_docs = np.array(cold.embeddings(texts, "document"))
     first_queries = np.array(cold.embeddings(texts, "query"))
     assert cold.loaded
+    manifest = tmp_path / "cache" / cold.key(texts, "document") / "manifest.json"
+    os.utime(manifest, (1e9, 1e9))  # last used in 2001
 
     forbid_teacher_loading(monkeypatch)
     warm = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache", prompt="q: ")
@@ -98,6 +103,7 @@ def test_warm_cache_loads_no_teacher(
     np.testing.assert_array_equal(docs, first_docs)
     np.testing.assert_array_equal(queries, first_queries)
     assert isinstance(docs, np.memmap) and not docs.flags.writeable
+    assert manifest.stat().st_mtime > time.time() - 600  # a hit marks the entry used, for `distill.cache prune`
 
     # a miss with the teacher forbidden proves the warm hits above did not sneak around the loader
     with pytest.raises(AssertionError, match="the teacher was loaded"):
@@ -171,6 +177,10 @@ def corrupt_manifest_json(entry: Path) -> None:
     (entry / "manifest.json").unlink()
 
 
+def corrupt_manifest_text(entry: Path) -> None:
+    (entry / "manifest.json").write_text('{"key": "trunc')
+
+
 def corrupt_values_header(entry: Path) -> None:
     """Same size, wrong shape: the .npy is rewritten with fewer rows and padded back to the recorded size."""
     data = entry / "embeddings.npy"
@@ -182,7 +192,14 @@ def corrupt_values_header(entry: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "corrupt", [corrupt_by_truncation, corrupt_manifest_count, corrupt_manifest_json, corrupt_values_header]
+    "corrupt",
+    [
+        corrupt_by_truncation,
+        corrupt_manifest_count,
+        corrupt_manifest_json,
+        corrupt_manifest_text,
+        corrupt_values_header,
+    ],
 )
 def test_corrupt_entry_is_rebuilt(
     corrupt, accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path
@@ -193,7 +210,7 @@ def test_corrupt_entry_is_rebuilt(
     good = np.array(first.embeddings(texts, "document"))
     (entry,) = cache_entries(cache_dir)
     corrupt(entry)
-    assert teacher_module.read_entry(entry, first.key(texts, "document"), len(texts)) is None
+    assert cache_module.read_entry(entry, first.key(texts, "document"), len(texts)) is None
 
     second = make_cache(accelerator, tiny_models["teacher"], cache_dir)
     rebuilt = second.embeddings(texts, "document")
@@ -437,6 +454,29 @@ def test_an_interrupted_encoding_is_continued_not_started_over(
     assert sorted(p.name for p in entries[0].iterdir()) == ["embeddings.npy", "manifest.json"]
 
 
+def test_an_interrupted_encoding_is_listed_and_pruned_by_age(
+    accelerator: Accelerator,
+    tiny_models: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    cache_dir = tmp_path / "cache"
+    texts = killed_after_two_blocks(accelerator, tiny_models, cache_dir, monkeypatch)
+    assert cache_module.main(["list", "--teacher_cache_dir", str(cache_dir)]) == 0
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if " partial " in line]
+    assert f" partial 16/37 on {socket.gethostname()}  {tiny_models['teacher']}  document  37 " in row
+
+    assert cache_module.main(["prune", "--teacher_cache_dir", str(cache_dir)]) == 0  # still resumable: kept
+    assert len(list(cache_dir.iterdir())) == 1
+    assert cache_module.main(["prune", "--teacher_cache_dir", str(cache_dir), "--unused_days", "0"]) == 0
+    assert "an interrupted encoding, unused for 0.0 days" in capsys.readouterr().out
+    assert list(cache_dir.iterdir()) == []
+    sizes = interrupt_after_blocks(monkeypatch, 99)
+    make_cache(accelerator, tiny_models["teacher"], cache_dir).embeddings(texts, "document")
+    assert sizes == [8, 8, 8, 8, 5]  # started over
+
+
 def test_a_staging_folder_from_other_inputs_is_not_continued(
     accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -457,12 +497,12 @@ def test_a_second_run_encoding_the_same_texts_stages_apart(
     cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache")
     texts = sentences(5, seed=1)
     entry, key = tmp_path / "cache" / cache.key(texts, "document"), cache.key(texts, "document")
-    first = teacher_module.CacheWriter(entry, key, 5, "document", cache.spec)
-    second = teacher_module.CacheWriter(entry, key, 5, "document", cache.spec)
+    first = cache_module.CacheWriter(entry, key, 5, "document", cache.spec)
+    second = cache_module.CacheWriter(entry, key, 5, "document", cache.spec)
     assert ".partial-" in first.staging.name and ".tmp-" in second.staging.name
     first.close()
     second.close()
-    third = teacher_module.CacheWriter(entry, key, 5, "document", cache.spec)  # the lock is free again
+    third = cache_module.CacheWriter(entry, key, 5, "document", cache.spec)  # the lock is free again
     assert ".partial-" in third.staging.name
     third.close()
 

@@ -1,0 +1,477 @@
+"""The teacher cache on disk: its entries, the staging folders they are written through, and their upkeep.
+
+Layout of `<teacher_cache_dir>/`:
+
+    <key>/{embeddings.npy, manifest.json}     an entry: float16 vectors and what they are
+    .<key>.partial-<host>/                     an encoding in progress or interrupted on <host>; its
+                                               progress.json says how far it got, and a run with the same
+                                               key on that host continues it
+    .<key>.lock-<host>                         held (flock) by the run writing that partial folder
+    .<key>.tmp-<host>-<pid>/                   staging of a run that could not take the lock; never resumed
+    .<key>.stale-<pid>/                        a corrupt entry moved aside while its replacement goes in
+
+Entries appear by a rename, whole or not at all. A run that reads an entry refreshes its manifest's
+modification time, which is what `prune --unused_days` goes by. How the key is made and the vectors
+computed is the teacher's business (distill/teacher.py).
+
+    python -m distill.cache list  [--teacher_cache_dir DIR | --config FILE]
+    python -m distill.cache prune [--teacher_cache_dir DIR | --config FILE] [--unused_days N] [--dry_run]
+
+`prune` removes what no run can use again: staging folders of processes that are gone, moved-aside
+entries, unheld lock files, corrupt entries. With `--unused_days N` it also removes entries, and
+interrupted encodings, untouched for N days. Anything a live run on this machine holds is left alone;
+another machine's staging folder is removed only by age.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import yaml
+
+from distill.hub import read_json
+
+if TYPE_CHECKING:
+    from distill.teacher import Role, TeacherSpec
+
+CACHE_FORMAT = 1
+CACHE_DTYPE = np.float16
+KEY = re.compile(r"[0-9a-f]{32}")
+STAGED = re.compile(r"\.(?P<key>[0-9a-f]{32})\.(?P<kind>partial|lock|tmp|stale)-(?P<rest>.+)")
+
+
+def read_json_or_empty(path: Path) -> dict:
+    """The JSON object in `path`; {} if it is missing, unreadable or not an object."""
+    try:
+        value = read_json(path)
+    except (ValueError, OSError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def read_entry(entry: Path, key: str, count: int) -> np.ndarray | None:
+    """The entry's embeddings if its manifest and sizes match what was asked for, else None."""
+    manifest = read_json_or_empty(entry / "manifest.json")
+    data = entry / "embeddings.npy"
+    if manifest.get("key") != key or manifest.get("count") != count or not data.is_file():
+        return None
+    if data.stat().st_size != manifest.get("bytes"):
+        return None
+    try:
+        vectors = np.load(data, mmap_mode="r")
+    except (ValueError, OSError):
+        return None
+    if vectors.shape != (count, manifest.get("dim")) or vectors.dtype != CACHE_DTYPE:
+        return None
+    return vectors
+
+
+def claim(path: Path) -> int | None:
+    """A file descriptor holding an exclusive lock on `path`, or None: another process holds it, or no locks here."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        return None
+    fd = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.fstat(fd).st_ino != os.stat(path).st_ino:  # its last holder removed it while we opened it
+            raise OSError("lock file replaced")
+        return fd
+    except OSError:
+        if fd is not None:
+            os.close(fd)
+        return None
+
+
+class CacheWriter:
+    """Streams gathered vectors into a staging folder's `embeddings.npy` (a memory map), then renames it into place.
+
+    The staging folder `.<key>.partial-<host>` outlives a killed run: `mark(n)` records (after flushing the
+    vectors) that the first n texts of the encoding order are in it, and `resume()` in the next run on this
+    machine returns that n. A lock file keeps two runs on one machine from sharing it; a run that cannot
+    take the lock (another run is encoding the same texts, or the filesystem has no locks) stages under its
+    process id and cannot be resumed. Write errors (a full disk) are remembered, not raised, so the writer
+    keeps taking part in the gathers; `commit` returns the error message, or None once the entry is in place.
+    """
+
+    def __init__(self, entry: Path, key: str, count: int, role: Role, spec: TeacherSpec):
+        self.entry, self.key, self.count, self.role, self.spec = entry, key, count, role, spec
+        host = socket.gethostname()
+        self.lock_path = entry.parent / f".{entry.name}.lock-{host}"
+        self.lock = claim(self.lock_path)
+        suffix = f"partial-{host}" if self.lock is not None else f"tmp-{host}-{os.getpid()}"
+        self.staging = entry.parent / f".{entry.name}.{suffix}"
+        self.vectors: np.ndarray | None = None
+        self.problem: str | None = None
+
+    def resume(self) -> int:
+        """Texts an interrupted run on this machine left done in the staging folder; 0 (and it cleared) if none."""
+        progress = {}
+        if self.lock is not None:
+            with contextlib.suppress(ValueError, OSError):  # unreadable: start over
+                progress = read_json(self.staging / "progress.json")
+        if isinstance(progress, dict) and progress.get("key") == self.key and progress.get("count") == self.count:
+            with contextlib.suppress(ValueError, OSError, KeyError, TypeError):
+                vectors = np.load(self.staging / "embeddings.npy", mmap_mode="r+")
+                done = int(progress["rows_done"])
+                if vectors.shape[0] == self.count and vectors.dtype == CACHE_DTYPE and 0 <= done <= self.count:
+                    self.vectors = vectors
+                    return done
+        shutil.rmtree(self.staging, ignore_errors=True)
+        return 0
+
+    def write(self, indices: np.ndarray, vectors: np.ndarray) -> None:
+        if self.problem:
+            return
+        try:
+            if self.vectors is None:
+                self.entry.parent.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(self.staging, ignore_errors=True)
+                self.staging.mkdir()
+                self.vectors = np.lib.format.open_memmap(
+                    self.staging / "embeddings.npy", mode="w+", dtype=CACHE_DTYPE, shape=(self.count, vectors.shape[1])
+                )
+            self.vectors[indices] = vectors.astype(CACHE_DTYPE)
+        except OSError as e:
+            self._fail(e)
+
+    def mark(self, rows_done: int) -> None:
+        """The first `rows_done` texts of the encoding order are written: flush them, then say so."""
+        if self.problem or self.vectors is None or self.lock is None:
+            return
+        try:
+            self.vectors.flush()
+            progress = self.staging / "progress.json"
+            tmp = progress.with_suffix(".tmp")
+            tmp.write_text(json.dumps({**self._identity(), "rows_done": rows_done}))
+            os.replace(tmp, progress)
+        except OSError as e:
+            self._fail(e)
+
+    def commit(self) -> str | None:
+        if self.problem is None and self.vectors is not None:
+            try:
+                dim = int(self.vectors.shape[1])
+                self.vectors.flush()
+                self.vectors = None  # close the memory map before the rename
+                manifest = {
+                    "key": self.key,
+                    "count": self.count,
+                    "dim": dim,
+                    "dtype": np.dtype(CACHE_DTYPE).name,
+                    "bytes": (self.staging / "embeddings.npy").stat().st_size,
+                    "role": self.role,
+                    "teacher": self.spec.path,
+                    "revision": self.spec.revision,
+                    "prompt": self.spec.query_prompt if self.role == "query" else "",
+                    "max_seq_length": self.spec.max_seq_length,
+                }
+                (self.staging / "manifest.json").write_text(json.dumps(manifest, indent=2))
+                (self.staging / "progress.json").unlink(missing_ok=True)
+                if self.entry.exists():  # a corrupt entry: move it aside, then swap in the good one
+                    stale = self.entry.parent / f".{self.entry.name}.stale-{os.getpid()}"
+                    os.replace(self.entry, stale)
+                    shutil.rmtree(stale, ignore_errors=True)
+                os.replace(self.staging, self.entry)
+            except OSError as e:
+                if read_entry(self.entry, self.key, self.count) is None:
+                    self._fail(e)
+                # else: another machine sharing this folder wrote the same entry first
+        if self.problem is None or self.lock is None:  # a failed write keeps what a rerun can continue from
+            shutil.rmtree(self.staging, ignore_errors=True)
+        self.close()
+        return self.problem
+
+    def close(self) -> None:
+        """Let go of the staging folder (kept as it is) and its lock."""
+        self.vectors = None
+        if self.lock is not None:
+            with contextlib.suppress(OSError):
+                self.lock_path.unlink()  # while still held: a process that opened it before sees another inode
+            os.close(self.lock)
+            self.lock = None
+
+    def _identity(self) -> dict:
+        return {"key": self.key, "count": self.count, "role": self.role, "teacher": self.spec.path}
+
+    def _fail(self, error: OSError) -> None:
+        self.vectors = None
+        self.problem = (
+            f"cannot write the teacher cache under {self.entry.parent} ({error.strerror or error}); make it "
+            "writable, free space, or pass --teacher_cache_dir elsewhere"
+        )
+
+
+def touch(entry: Path) -> None:
+    """Record that `entry` was used now (its manifest's modification time); a read-only cache is left as it is."""
+    with contextlib.suppress(OSError):
+        os.utime(entry / "manifest.json")
+
+
+# Upkeep: what is in a cache folder, and removing what is not needed.
+
+
+@dataclass
+class CacheItem:
+    """One thing in a cache folder: an entry, a staging folder, or a lock file."""
+
+    path: Path
+    key: str
+    kind: str  # "entry", "corrupt", "partial", "tmp", "stale", "lock"
+    host: str = ""
+    pid: int | None = None
+    bytes: int = 0
+    used: float = 0.0  # modification time: an entry's last use, a staging folder's last progress
+    info: dict = field(default_factory=dict)  # manifest.json or progress.json
+
+    @property
+    def this_host(self) -> bool:
+        return self.host == socket.gethostname()
+
+
+def scan(cache_dir: Path) -> list[CacheItem]:
+    """Every entry, staging folder and lock file directly under `cache_dir`; other files are not ours."""
+    items = []
+    for path in sorted(cache_dir.iterdir()):
+        staged = STAGED.fullmatch(path.name)
+        if KEY.fullmatch(path.name) and path.is_dir():
+            manifest = read_json_or_empty(path / "manifest.json")
+            valid = read_entry(path, path.name, manifest.get("count", -1)) is not None
+            items.append(
+                CacheItem(path, path.name, "entry" if valid else "corrupt", info=manifest, **_size_and_time(path))
+            )
+        elif staged:
+            kind, rest = staged["kind"], staged["rest"]
+            host, pid = rest, None
+            if kind == "tmp" and "-" in rest:
+                host, _, pid_text = rest.rpartition("-")
+                pid = int(pid_text) if pid_text.isdigit() else None
+            elif kind == "stale":
+                host, pid = "", int(rest) if rest.isdigit() else None
+            progress = read_json_or_empty(path / "progress.json") if kind == "partial" else {}
+            items.append(CacheItem(path, staged["key"], kind, host, pid, info=progress, **_size_and_time(path)))
+    return items
+
+
+def _size_and_time(path: Path) -> dict:
+    """Bytes under `path` and the newest modification time among it and its files."""
+    files = [path] if path.is_file() else [path, *(p for p in path.rglob("*") if p.is_file())]
+    size, used = 0, 0.0
+    for file in files:
+        with contextlib.suppress(OSError):  # removed while we looked
+            stat = file.stat()
+            size += stat.st_size if file.is_file() else 0
+            used = max(used, stat.st_mtime)
+    return {"bytes": size, "used": used}
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def verdict(item: CacheItem, items: list[CacheItem], unused_days: float | None, now: float) -> str | None:
+    """Why `prune` removes `item`, or None to keep it. Looks at locks and processes on this machine only."""
+    old = unused_days is not None and now - item.used >= unused_days * 86400
+    age = f"unused for {(now - item.used) / 86400:.1f} days"
+    if item.kind == "entry":
+        return age if old else None
+    if item.kind == "corrupt":
+        return "incomplete or corrupt (a run would rebuild it)"
+    if item.kind == "stale":
+        return None if item.pid is not None and process_alive(item.pid) else "a corrupt entry moved aside"
+    if item.kind == "tmp":
+        if item.this_host and item.pid is not None:
+            return None if process_alive(item.pid) else "its process is gone and it cannot be resumed"
+        return age if old else None
+    if item.kind == "partial":
+        if item.this_host and in_use(item):
+            return None
+        return f"an interrupted encoding, {age}" if old else None
+    # a lock file: not needed once nobody holds it and its partial folder is gone
+    partial_left = any(i.kind == "partial" and i.key == item.key and i.host == item.host for i in items)
+    if partial_left:
+        return None
+    if item.this_host:
+        return None if in_use(item) else "a lock nobody holds"
+    return age if old else None
+
+
+def in_use(item: CacheItem) -> bool:
+    """Whether a live process on this machine holds the lock of `item`'s key (a partial folder or a lock file)."""
+    lock_path = item.path.parent / f".{item.key}.lock-{item.host}"
+    if not lock_path.exists():  # a writer keeps its lock file until it lets go
+        return False
+    lock = claim(lock_path)
+    if lock is None:
+        return True
+    os.close(lock)
+    return False
+
+
+def remove(item: CacheItem) -> bool:
+    """Remove `item`; False if a run on this machine took its lock meanwhile. Under the lock, so none starts."""
+    lock_path = item.path.parent / f".{item.key}.lock-{item.host}"
+    lock = None
+    if item.kind in ("partial", "lock") and item.this_host:
+        lock = claim(lock_path)
+        if lock is None:
+            return False
+    try:
+        if item.path.is_dir():
+            shutil.rmtree(item.path)
+        else:
+            item.path.unlink(missing_ok=True)
+        if lock is not None:  # while still held, as CacheWriter.close does
+            lock_path.unlink(missing_ok=True)
+    finally:
+        if lock is not None:
+            os.close(lock)
+    return True
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def describe(item: CacheItem, now: float) -> list[str]:
+    """One `list` row: key, state, teacher, role, texts, dim, size, last used."""
+    info = item.info
+    state = item.kind
+    if item.kind == "partial":
+        done, count = info.get("rows_done"), info.get("count")
+        progress = f" {done}/{count}" if done is not None and count else ""
+        state = f"partial{progress} on {item.host}" + (" (encoding now)" if item.this_host and in_use(item) else "")
+    elif item.kind in ("tmp", "lock"):
+        state = f"{item.kind} on {item.host}" + (f" pid {item.pid}" if item.pid is not None else "")
+    days = (now - item.used) / 86400
+    return [
+        item.key,
+        state,
+        str(info.get("teacher", "")),
+        str(info.get("role", "")),
+        str(info.get("count", "")),
+        str(info.get("dim", "")),
+        human_bytes(item.bytes),
+        "today" if days < 1 else f"{days:.0f} days ago",
+    ]
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in [header, *rows]
+    )
+
+
+def list_cache(cache_dir: Path, now: float | None = None) -> str:
+    """The `list` report: one row per item, then the totals."""
+    now = time.time() if now is None else now
+    items = sorted(scan(cache_dir), key=lambda i: (i.kind != "entry", i.key, i.path.name))  # entries first
+    header = ["KEY", "STATE", "TEACHER", "ROLE", "TEXTS", "DIM", "SIZE", "LAST USED"]
+    rows = [describe(item, now) for item in items]
+    entries = [i for i in items if i.kind == "entry"]
+    summary = (
+        f"{cache_dir}: {len(entries)} entries ({human_bytes(sum(i.bytes for i in entries))}), "
+        f"{len(items) - len(entries)} other items ({human_bytes(sum(i.bytes for i in items if i.kind != 'entry'))})"
+    )
+    return (table(rows, header) + "\n" if rows else "") + summary
+
+
+def prune(
+    cache_dir: Path, unused_days: float | None = None, dry_run: bool = False, now: float | None = None
+) -> list[str]:
+    """Remove (or with `dry_run` only name) what `verdict` says may go; one line per item, then the total."""
+    now = time.time() if now is None else now
+    items = scan(cache_dir)
+    lines, freed = [], 0
+    for item in items:
+        reason = verdict(item, items, unused_days, now)
+        if reason is None:
+            continue
+        if not dry_run:
+            try:
+                if not remove(item):
+                    continue  # a run started on it since we looked
+            except OSError as e:
+                lines.append(f"could not remove {item.path}: {e.strerror or e}")
+                continue
+        freed += item.bytes
+        lines.append(f"{'would remove' if dry_run else 'removed'} {item.path} ({human_bytes(item.bytes)}): {reason}")
+    lines.append(f"{'would free' if dry_run else 'freed'} {human_bytes(freed)} in {cache_dir}")
+    return lines
+
+
+def default_cache_dir(config: str | None) -> str:
+    """--teacher_cache_dir's value in a config file, else the training default."""
+    from distill.config import TrainingConfig  # noqa: PLC0415 - only for the default
+
+    if config:
+        try:
+            values = yaml.safe_load(Path(config).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ValueError(f"cannot read config {config}: {e}; pass --teacher_cache_dir instead") from e
+        if isinstance(values, dict) and values.get("teacher_cache_dir"):
+            return str(values["teacher_cache_dir"])
+    return TrainingConfig().teacher_cache_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m distill.cache", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("list", "show entries and staging folders"), ("prune", "remove what is not needed")):
+        command = commands.add_parser(name, help=help_text)
+        where = command.add_mutually_exclusive_group()
+        where.add_argument("--teacher_cache_dir", help="the cache folder (default: the training default)")
+        where.add_argument("--config", help="take the cache folder from this config file's teacher_cache_dir")
+        if name == "prune":
+            command.add_argument(
+                "--unused_days", type=float, help="also remove entries and interrupted encodings unused this long"
+            )
+            command.add_argument("--dry_run", action="store_true", help="say what would be removed, remove nothing")
+    args = parser.parse_args(argv)
+    try:
+        cache_dir = Path(args.teacher_cache_dir or default_cache_dir(args.config)).expanduser()
+        if not cache_dir.is_dir():
+            raise ValueError(
+                f"no teacher cache at {cache_dir}; pass the folder your runs use (--teacher_cache_dir DIR or "
+                "--config FILE)"
+            )
+        if args.command == "prune" and args.unused_days is not None and args.unused_days < 0:
+            raise ValueError(f"--unused_days must be 0 or more, got {args.unused_days:g}")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.command == "list":
+        print(list_cache(cache_dir))
+    else:
+        print("\n".join(prune(cache_dir, args.unused_days, args.dry_run)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""The teacher cache's upkeep (`python -m distill.cache list|prune`) on folders laid out by hand."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distill.cache import claim, human_bytes, list_cache, main, prune, read_entry
+
+HOST = socket.gethostname()
+DAY = 86400.0
+
+
+def make_entry(cache_dir: Path, key: str, count: int = 4, dim: int = 3, age_days: float = 0.0) -> Path:
+    """A valid entry, as CacheWriter.commit leaves it, last used `age_days` ago."""
+    entry = cache_dir / key
+    entry.mkdir(parents=True)
+    np.save(entry / "embeddings.npy", np.ones((count, dim), dtype=np.float16))
+    manifest = {
+        "key": key,
+        "count": count,
+        "dim": dim,
+        "dtype": "float16",
+        "bytes": (entry / "embeddings.npy").stat().st_size,
+        "role": "document",
+        "teacher": "org/teacher-7b",
+    }
+    (entry / "manifest.json").write_text(json.dumps(manifest))
+    assert read_entry(entry, key, count) is not None
+    age(entry, age_days)
+    return entry
+
+
+def make_partial(cache_dir: Path, key: str, host: str = HOST, done: int = 16, count: int = 40, age_days: float = 0.0):  # noqa: ANN201
+    staging = cache_dir / f".{key}.partial-{host}"
+    staging.mkdir(parents=True)
+    np.save(staging / "embeddings.npy", np.zeros((count, 3), dtype=np.float16))
+    progress = {"key": key, "count": count, "rows_done": done, "role": "query", "teacher": "org/teacher-7b"}
+    (staging / "progress.json").write_text(json.dumps(progress))
+    age(staging, age_days)
+    return staging
+
+
+def age(path: Path, days: float) -> None:
+    """Set the modification time of `path` and everything in it to `days` ago."""
+    when = time.time() - days * DAY
+    for p in [path, *(path.rglob("*") if path.is_dir() else [])]:
+        os.utime(p, (when, when))
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def key(n: int) -> str:
+    return f"{n:032x}"
+
+
+def test_list_shows_entries_and_interrupted_encodings(tmp_path: Path) -> None:
+    make_entry(tmp_path, key(1), count=4, dim=3, age_days=3)
+    partial = make_partial(tmp_path, key(2), done=16, count=40)
+    report = list_cache(tmp_path).splitlines()
+    assert report[0].split() == ["KEY", "STATE", "TEACHER", "ROLE", "TEXTS", "DIM", "SIZE", "LAST", "USED"]
+    assert report[1].split()[:6] == [key(1), "entry", "org/teacher-7b", "document", "4", "3"]
+    assert report[1].endswith("3 days ago")
+    assert report[2].split()[:7] == [key(2), "partial", "16/40", "on", HOST, "org/teacher-7b", "query"]
+    assert report[2].endswith("today")
+    assert report[3].startswith(f"{tmp_path}: 1 entries (")
+    npy, progress = 128 + 40 * 3 * 2, len((partial / "progress.json").read_bytes())  # header + float16 rows
+    assert report[3].endswith(f"1 other items ({npy + progress} B)")
+
+
+def test_prune_removes_only_what_no_run_can_use(tmp_path: Path) -> None:
+    kept = [
+        make_entry(tmp_path, key(1), age_days=400),  # old, but no --unused_days
+        make_partial(tmp_path, key(2)),  # resumable
+        make_partial(tmp_path, key(3), host="other-node"),  # another machine's: only by age
+        tmp_path / f".{key(4)}.tmp-{HOST}-{os.getpid()}",  # a live process is staging
+        tmp_path / f".{key(2)}.lock-{HOST}",  # its partial is still there
+        tmp_path / "notes.txt",  # not ours
+    ]
+    removed = [
+        tmp_path / f".{key(5)}.tmp-{HOST}-{dead_pid()}",
+        tmp_path / f".{key(6)}.stale-{dead_pid()}",
+        tmp_path / f".{key(7)}.lock-{HOST}",  # nobody holds it, no partial
+        make_entry(tmp_path, key(8)),
+    ]
+    for folder in (kept[3], removed[0], removed[1]):
+        folder.mkdir()
+        (folder / "embeddings.npy").write_bytes(b"\0" * 1000)
+    for lock in (kept[4], removed[2]):
+        lock.touch()
+    kept[5].write_text("mine")
+    (removed[3] / "embeddings.npy").write_bytes(b"\0")  # corrupt: its size no longer matches the manifest
+
+    freed = human_bytes(2000 + len((removed[3] / "manifest.json").read_bytes()) + 1)
+    dry = prune(tmp_path, dry_run=True)
+    assert all(p.exists() for p in kept + removed)
+    assert dry[-1] == f"would free {freed} in {tmp_path}"
+    lines = prune(tmp_path)
+    assert sorted(line.split()[1] for line in lines[:-1]) == sorted(str(p) for p in removed)
+    assert all(p.exists() for p in kept) and not any(p.exists() for p in removed)
+    assert any(line.endswith("its process is gone and it cannot be resumed") for line in lines)
+    assert any(line.endswith("incomplete or corrupt (a run would rebuild it)") for line in lines)
+    assert lines[-1] == f"freed {freed} in {tmp_path}"
+
+
+def test_prune_by_age_keeps_what_was_used_recently(tmp_path: Path) -> None:
+    old_entry, new_entry = make_entry(tmp_path, key(1), age_days=40), make_entry(tmp_path, key(2), age_days=5)
+    old_partial = make_partial(tmp_path, key(3), age_days=40)
+    old_remote = make_partial(tmp_path, key(4), host="other-node", age_days=40)
+    lines = prune(tmp_path, unused_days=30)
+    assert not old_entry.exists() and not old_partial.exists() and not old_remote.exists()
+    assert new_entry.exists()
+    assert any(line.endswith("an interrupted encoding, unused for 40.0 days") for line in lines)
+    assert not list((tmp_path).glob(f".{key(3)}.lock-*"))  # the lock it was removed under is gone too
+
+
+def test_a_partial_being_written_is_never_removed(tmp_path: Path) -> None:
+    partial = make_partial(tmp_path, key(1), age_days=40)
+    lock = claim(tmp_path / f".{key(1)}.lock-{HOST}")  # a run on this machine is encoding into it
+    assert lock is not None
+    try:
+        assert prune(tmp_path, unused_days=0) == [f"freed 0 B in {tmp_path}"]
+        assert partial.exists()
+        (row,) = [line for line in list_cache(tmp_path).splitlines() if " partial " in line]
+        assert f"partial 16/40 on {HOST} (encoding now)" in row
+    finally:
+        os.close(lock)
+
+
+def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    make_entry(tmp_path / "cache", key(1), age_days=10)
+    config = tmp_path / "run.yaml"
+    config.write_text(f"teacher_cache_dir: {tmp_path / 'cache'}\nbatch_size: 8\n")
+    assert main(["list", "--config", str(config)]) == 0
+    assert key(1) in capsys.readouterr().out
+    assert main(["prune", "--teacher_cache_dir", str(tmp_path / "cache"), "--unused_days", "7", "--dry_run"]) == 0
+    assert capsys.readouterr().out.startswith(f"would remove {tmp_path / 'cache' / key(1)} (")
+    assert (tmp_path / "cache" / key(1)).exists()
+
+    assert main(["list", "--teacher_cache_dir", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: no teacher cache at {tmp_path / 'nowhere'}; pass the folder your runs use "
+        "(--teacher_cache_dir DIR or --config FILE)\n"
+    )
+    assert main(["prune", "--teacher_cache_dir", str(tmp_path / "cache"), "--unused_days", "-1"]) == 2
+    assert capsys.readouterr().err == "error: --unused_days must be 0 or more, got -1\n"
