@@ -213,7 +213,8 @@ class CacheWriter:
         self.vectors = None
         self.problem = (
             f"cannot write the teacher cache under {self.entry.parent} ({error.strerror or error}); make it "
-            "writable, free space, or pass --teacher_cache_dir elsewhere"
+            f"writable, free space (python -m distill.cache prune --teacher_cache_dir {self.entry.parent} "
+            "--unused_days 30 --dry_run lists what can go), or pass --teacher_cache_dir elsewhere"
         )
 
 
