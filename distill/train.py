@@ -18,6 +18,7 @@ or with `--num_processes N` anywhere (distill relaunches itself through accelera
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -461,6 +462,24 @@ def training_memory_message(
     )
 
 
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo's words
+
+
+def lost_a_peer(error: BaseException) -> str | None:
+    """The first sentence of a collective's error when another process of the job died under it, else None.
+
+    gloo raises a plain RuntimeError ("[.../pair.cc:553] Connection closed by peer [10.0.0.2]:29500. This is
+    typically caused by a remote worker crashing ..."); NCCL and the store raise torch.distributed.DistError.
+    """
+    if current_world_size() < 2 or not isinstance(error, (RuntimeError, torch.distributed.DistError)):
+        return None
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if not isinstance(error, torch.distributed.DistError) and not any(words in text for words in PEER_GONE):
+        return None
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)  # gloo's [source file:line]
+    return text.split(". ")[0].rstrip(".")[:200]
+
+
 def periodic_evaluation(
     accelerator: Accelerator,
     config: Config,
@@ -607,6 +626,17 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"distill: {e}", file=sys.stderr)
         return e.exit_code
+    except (RuntimeError, torch.distributed.DistError) as e:
+        lost = lost_a_peer(e)
+        if lost is None:
+            raise
+        if os.environ.get("RANK", "0") == "0":  # the process that died said why; one line for all who waited on it
+            print(
+                f"\nerror: [rank 0] stopped: another process of this job failed ({lost}); its own error line "
+                "(or traceback) above, or in its machine's log, says why",
+                file=sys.stderr,
+            )
+        return 1
     except DistillError as e:
         rank = os.environ.get("RANK", "0")
         if rank == "0":  # one line from one process, not one per rank

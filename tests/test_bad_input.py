@@ -220,8 +220,35 @@ def test_out_of_device_memory_on_one_rank_is_reported_by_that_rank(tiny_models, 
         timeout=300,
     )
     assert done.returncode != 0
-    ours = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
-    assert len(ours) == 1 and ours[0].startswith(
+    ours = sorted(line for line in done.stderr.splitlines() if line.startswith("error: "))
+    assert len(ours) == 2, done.stderr[-3000:]
+    assert ours[0] == (  # rank 0, which was waiting for rank 1 in a gradient all-reduce: one line, no traceback
+        "error: [rank 0] stopped: another process of this job failed (Connection closed by peer "
+        f"{ours[0].split('peer ')[1].split(')')[0]}); its own error line (or traceback) above, or in its machine's "
+        "log, says why"
+    )
+    assert ours[1].startswith(
         "error: [rank 1] phase1: the student ran out of device memory at optimizer step 1 (CUDA out of memory."
-    ), done.stderr[-3000:]
+    )
+    assert (
+        "[rank0]: Traceback" not in done.stderr and "[rank1]: Traceback" not in done.stderr
+    )  # (the launcher's is its own)
     assert not (out / "results.json").exists()
+
+
+def test_only_a_lost_peer_is_reported_as_one(monkeypatch):
+    from distill.train import lost_a_peer
+
+    gloo = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:13192. This is typically caused by a remote worker crashing."
+    )
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert lost_a_peer(gloo) is None  # alone there is no peer to lose
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert lost_a_peer(gloo) == "Connection closed by peer [127.0.0.1]:13192"
+    assert lost_a_peer(torch.distributed.DistBackendError("NCCL communicator was aborted. More")) == (
+        "NCCL communicator was aborted"
+    )
+    assert lost_a_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None  # a bug keeps its traceback
+    assert lost_a_peer(torch.OutOfMemoryError("CUDA out of memory")) is None
