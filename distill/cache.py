@@ -121,11 +121,9 @@ class CacheWriter:
 
     def resume(self) -> int:
         """Texts an interrupted run on this machine left done in the staging folder; 0 (and it cleared) if none."""
-        progress = {}
-        if self.lock is not None:
-            with contextlib.suppress(ValueError, OSError):  # unreadable: start over
-                progress = read_json(self.staging / "progress.json")
-        if isinstance(progress, dict) and progress.get("key") == self.key and progress.get("count") == self.count:
+        # no lock, or a missing or unreadable progress file: start over
+        progress = read_json_or_empty(self.staging / "progress.json") if self.lock is not None else {}
+        if progress.get("key") == self.key and progress.get("count") == self.count:
             with contextlib.suppress(ValueError, OSError, KeyError, TypeError):
                 vectors = np.load(self.staging / "embeddings.npy", mmap_mode="r+")
                 done = int(progress["rows_done"])

@@ -7,7 +7,8 @@ Entries are written to a staging folder and renamed, so a crash never leaves hal
 whose manifest or sizes do not match is reported and rebuilt. A run whose entries all exist loads no
 teacher at all. Encoding goes in blocks of texts, longest first, and the staging folder records after
 each block how far it got: a run killed while encoding (preemption, a node failure) is continued by the
-next run with the same inputs instead of started over.
+next run with the same inputs instead of started over. The on-disk side (entries, staging folders, locks, and
+`python -m distill.cache list|prune`) is distill/cache.py.
 """
 
 from __future__ import annotations
