@@ -52,6 +52,11 @@ KEY = re.compile(r"[0-9a-f]{32}")
 STAGED = re.compile(r"\.(?P<key>[0-9a-f]{32})\.(?P<kind>partial|lock|tmp|stale)-(?P<rest>.+)")
 
 
+def lock_file(folder: Path, key: str, host: str) -> Path:
+    """The lock a run on `host` holds while it writes `.<key>.partial-<host>/`."""
+    return folder / f".{key}.lock-{host}"
+
+
 def read_json_or_empty(path: Path) -> dict:
     """The JSON object in `path`; {} if it is missing, unreadable or not an object."""
     try:
@@ -112,7 +117,7 @@ class CacheWriter:
     def __init__(self, entry: Path, key: str, count: int, role: Role, spec: TeacherSpec):
         self.entry, self.key, self.count, self.role, self.spec = entry, key, count, role, spec
         host = socket.gethostname()
-        self.lock_path = entry.parent / f".{entry.name}.lock-{host}"
+        self.lock_path = lock_file(entry.parent, entry.name, host)
         self.lock = claim(self.lock_path)
         suffix = f"partial-{host}" if self.lock is not None else f"tmp-{host}-{os.getpid()}"
         self.staging = entry.parent / f".{entry.name}.{suffix}"
@@ -242,6 +247,10 @@ class CacheItem:
     def this_host(self) -> bool:
         return self.host == socket.gethostname()
 
+    @property
+    def lock_path(self) -> Path:
+        return lock_file(self.path.parent, self.key, self.host)
+
 
 def scan(cache_dir: Path) -> list[CacheItem]:
     """Every entry, staging folder and lock file directly under `cache_dir`; other files are not ours."""
@@ -318,10 +327,9 @@ def verdict(item: CacheItem, items: list[CacheItem], unused_days: float | None, 
 
 def in_use(item: CacheItem) -> bool:
     """Whether a live process on this machine holds the lock of `item`'s key (a partial folder or a lock file)."""
-    lock_path = item.path.parent / f".{item.key}.lock-{item.host}"
-    if not lock_path.exists():  # a writer keeps its lock file until it lets go
+    if not item.lock_path.exists():  # a writer keeps its lock file until it lets go
         return False
-    lock = claim(lock_path)
+    lock = claim(item.lock_path)
     if lock is None:
         return True
     os.close(lock)
@@ -330,10 +338,9 @@ def in_use(item: CacheItem) -> bool:
 
 def remove(item: CacheItem) -> bool:
     """Remove `item`; False if a run on this machine took its lock meanwhile. Under the lock, so none starts."""
-    lock_path = item.path.parent / f".{item.key}.lock-{item.host}"
     lock = None
     if item.kind in ("partial", "lock") and item.this_host:
-        lock = claim(lock_path)
+        lock = claim(item.lock_path)
         if lock is None:
             return False
     try:
@@ -342,7 +349,7 @@ def remove(item: CacheItem) -> bool:
         else:
             item.path.unlink(missing_ok=True)
         if lock is not None:  # while still held, as CacheWriter.close does
-            lock_path.unlink(missing_ok=True)
+            item.lock_path.unlink(missing_ok=True)
     finally:
         if lock is not None:
             os.close(lock)

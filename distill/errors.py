@@ -25,7 +25,12 @@ class OutOfMemory(DistillError):
         super().__init__(f"[rank {os.environ.get('RANK', '0')}] {message}" if world > 1 else message)
 
 
+def first_sentences(text: str, count: int, limit: int) -> str:
+    """The first `count` sentences of `text`'s first line, without the closing full stop, at most `limit` characters."""
+    sentences = (text.splitlines() or [""])[0].split(". ")
+    return ". ".join(sentences[:count]).rstrip(".")[:limit]
+
+
 def memory_message(error: BaseException) -> str:
     """The useful start of a torch out-of-memory message ('CUDA out of memory. Tried to allocate 2.00 GiB. ...')."""
-    sentences = str(error).splitlines()[0].split(". ") if str(error) else [type(error).__name__]
-    return ". ".join(sentences[:3]).rstrip(".")[:240]
+    return first_sentences(str(error) or type(error).__name__, 3, 240)

@@ -45,7 +45,7 @@ from distill.batching import (
 from distill.checkpoint import PHASES, TrainingState, find_checkpoint, read_state
 from distill.config import Config, dump_config, load_config, to_flat_dict
 from distill.data import DistillData, Pairs, load_data
-from distill.errors import DistillError, OutOfMemory, memory_message
+from distill.errors import DistillError, OutOfMemory, first_sentences, memory_message
 from distill.evaluation import EvalInputs, EvalVectors, encode_student, evaluate_student, evaluate_teacher
 from distill.export import export_models, model_card
 from distill.hub import declared_dimension, resolve_model
@@ -476,8 +476,7 @@ def lost_a_peer(error: BaseException) -> str | None:
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
     if not isinstance(error, torch.distributed.DistError) and not any(words in text for words in PEER_GONE):
         return None
-    text = re.sub(r"^\[[^\]]*\]\s*", "", text)  # gloo's [source file:line]
-    return text.split(". ")[0].rstrip(".")[:200]
+    return first_sentences(re.sub(r"^\[[^\]]*\]\s*", "", text), 1, 200)  # without gloo's [source file:line]
 
 
 def periodic_evaluation(
