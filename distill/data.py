@@ -3,14 +3,17 @@
 Phase 1 needs texts; phase 2 needs (query, passage) pairs with optional hard negatives; evaluation needs
 held-out queries with one relevant passage each in a corpus, and optionally scored pairs for STS.
 Bad rows (empty, whitespace-only, non-string) are dropped with a count; exact duplicates are dropped;
-a phase left with nothing is an error that says why.
+`max_samples` counts the texts (pairs) kept, so a source is read in chunks until that many are usable; a
+phase left with nothing is an error that says why.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,9 @@ LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "
 TEXT_COLUMNS = ("text", "sentence", "sentences", "passage", "content", "document", "anchor")
 QUERY_COLUMNS = ("query", "question", "anchor", "queries")
 PASSAGE_COLUMNS = ("passage", "positive", "answer", "document", "pos", "context", "text")
+# hard negatives: one text per column (negative, negative_1, neg_2, ...) or one list column (negatives, neg)
+NEGATIVE_COLUMN = re.compile(r"(hard_)?(negative|negatives|neg)(_?(\d+))?$")
+CHUNK_ROWS = 10_000  # rows read (and converted to Python) at a time from a dataset
 
 
 @dataclass
@@ -103,46 +109,88 @@ def load_phase1_texts(source: str, max_samples: int, lee_background: bool = Fals
                 )
             texts = texts + embedded.lee_background()
     else:
-        records = read_records(source, max_samples)
-        column = pick_column(records, TEXT_COLUMNS, source, "phase-1 text", allow_single=True)
-        texts = [r.get(column) for r in records]
-    texts = clean_texts(texts, f"phase-1 data {source!r}")
+        head, rest = _head_and_rest(source)
+        column = pick_column(head, TEXT_COLUMNS, source, "phase-1 text", allow_single=True)
+        texts = (r.get(column) for r in chain(head, rest))
+    texts = clean_texts(texts, f"phase-1 data {source!r}", limit=max_samples)
     if not texts:
         raise DistillError(
             f"phase-1 data {source!r} has no usable text after dropping empty and non-string rows; "
             "give a file with non-empty texts or pass --skip_phase1"
         )
-    return texts[:max_samples]
+    return texts
 
 
 def load_pairs(source: str, max_samples: int, seed: int, embedded_per_paragraph: int = 1) -> Pairs:
     if source == EMBEDDED:
         queries, passages = embedded.inverse_cloze_pairs(embedded.train_articles(), seed, embedded_per_paragraph)
-        return _clean_pairs(Pairs(queries, passages), source)
-    records = read_records(source, max_samples)
-    query_col = pick_column(records, QUERY_COLUMNS, source, "phase-2 query")
-    passage_col = pick_column(records, tuple(c for c in PASSAGE_COLUMNS if c != query_col), source, "phase-2 passage")
-    negative_cols = sorted(c for c in records[0] if c.startswith("negative"))
-    negatives: list[list[Any]] = []
-    if len(negative_cols) == 1 and isinstance(records[0][negative_cols[0]], list):
-        lists = [r.get(negative_cols[0]) or [] for r in records]
-        count = min(len(n) for n in lists)
-        negatives = [list(n[:count]) for n in lists] if count else []
-    elif negative_cols:
-        negatives = [[r.get(c) for c in negative_cols] for r in records]
-    pairs = Pairs([r.get(query_col) for r in records], [r.get(passage_col) for r in records], negatives)
-    return _clean_pairs(pairs, source)
+        return _clean_pairs(((q, p, []) for q, p in zip(queries, passages, strict=True)), source, 0)
+    head, rest = _head_and_rest(source)
+    query_col = pick_column(head, QUERY_COLUMNS, source, "phase-2 query")
+    passage_col = pick_column(head, tuple(c for c in PASSAGE_COLUMNS if c != query_col), source, "phase-2 passage")
+    negatives_of, count = negative_reader(head, source, exclude=(query_col, passage_col))
+    rows = ((r.get(query_col), first_item(r.get(passage_col)), negatives_of(r)) for r in chain(head, rest))
+    return _clean_pairs(rows, source, count, limit=max_samples)
+
+
+def first_item(value: Any) -> Any:
+    """A passage column may hold a list of positives (the `pos` lists of BGE-style data): the first is used."""
+    if isinstance(value, list):
+        return value[0] if value else None
+    return value
+
+
+def negative_reader(
+    head: list[dict[str, Any]], source: str, exclude: tuple[str, ...] = ()
+) -> tuple[Callable[[dict[str, Any]], list[Any]], int]:
+    """How to read a row's hard negatives, and how many each pair keeps (0: none).
+
+    Either one list column (`negatives`, `neg`, ...: every pair keeps the count that at least 90% of the
+    rows of the first chunk have, longer lists are cut, pairs with fewer are dropped with a count) or text
+    columns `negative`, `negative_1`, `negative_2`, ... in the order of their numbers. Other columns
+    (`negative_score`, ...) are not negatives.
+    """
+    named = [c for c in head[0] if c not in exclude and NEGATIVE_COLUMN.match(c)]
+    lists = [c for c in named if any(isinstance(r.get(c), list) for r in head)]
+    if len(lists) > 1:
+        raise DistillError(
+            f"data {source!r} has several hard-negative list columns ({', '.join(lists)}); keep one of them"
+        )
+    if lists:
+        column = lists[0]
+        lengths = sorted(len(r[column]) if isinstance(r.get(column), list) else 0 for r in head)
+        count = lengths[len(lengths) // 10]  # what at least 90% of the rows have
+        if count == 0 and lengths[-1] > 0:
+            logger.warning(
+                f"phase-2 data {source!r}: over a tenth of the rows have no {column!r}, so no hard negatives are "
+                "used; drop those rows to train with them",
+                main_process_only=True,
+            )
+        return (lambda r: r.get(column) if isinstance(r.get(column), list) else []), count
+    texts = sorted(named, key=lambda c: int(NEGATIVE_COLUMN.match(c).group(4) or 0))
+    return (lambda r: [r.get(c) for c in texts]), len(texts)
 
 
 def _columns(pairs: Pairs) -> tuple[list, list, list]:
     return pairs.queries, pairs.passages, pairs.negatives
 
 
-def _clean_pairs(pairs: Pairs, source: str) -> Pairs:
-    """Drop pairs whose query, passage or any negative is not a non-empty string, and duplicate pairs."""
-    kept, seen, bad, duplicates = [], set(), 0, 0
-    for i in range(len(pairs)):
-        row = [pairs.queries[i], pairs.passages[i], *(pairs.negatives[i] if pairs.negatives else [])]
+def _clean_pairs(
+    rows: Iterable[tuple[Any, Any, list[Any]]], source: str, count: int, limit: int | None = None
+) -> Pairs:
+    """Drop pairs whose query, passage or any negative is not a non-empty string, and duplicate pairs.
+
+    Every pair keeps `count` negatives: longer lists are cut, pairs with fewer are dropped. Stops once
+    `limit` pairs are kept.
+    """
+    kept, seen, bad, duplicates, short = [], set(), 0, 0, 0
+    for query, passage, negatives in rows:
+        if limit is not None and len(kept) >= limit:
+            break
+        if len(negatives) < count:
+            short += 1
+            continue
+        row = [query, passage, *negatives[:count]]
         if not all(isinstance(t, str) and t.strip() for t in row):
             bad += 1
             continue
@@ -154,25 +202,36 @@ def _clean_pairs(pairs: Pairs, source: str) -> Pairs:
         seen.add(key)
         kept.append(row)
     _report_dropped(f"phase-2 data {source!r}", bad, duplicates, len(kept))
+    if short:
+        logger.warning(
+            f"phase-2 data {source!r}: dropped {short} pairs with fewer than {count} hard negatives (the count "
+            "at least 90% of the rows have); every pair of a batch needs the same number",
+            main_process_only=True,
+        )
     if not kept:
         raise DistillError(
             f"phase-2 data {source!r} has no usable (query, passage) pair after dropping empty and non-string "
             "rows; give pairs of non-empty strings or pass --skip_phase2"
         )
-    return Pairs([r[0] for r in kept], [r[1] for r in kept], [r[2:] for r in kept] if pairs.negatives else [])
+    return Pairs([r[0] for r in kept], [r[1] for r in kept], [r[2:] for r in kept] if count else [])
 
 
-def clean_texts(texts: Iterable[Any], what: str) -> list[str]:
-    """Non-empty strings, whitespace collapsed, exact duplicates dropped; counts of what was dropped are logged."""
-    kept, bad, duplicates = _normalized_unique(texts)
+def clean_texts(texts: Iterable[Any], what: str, limit: int | None = None) -> list[str]:
+    """Non-empty strings, whitespace collapsed, exact duplicates dropped; counts of what was dropped are logged.
+
+    Stops reading `texts` once `limit` texts are kept.
+    """
+    kept, bad, duplicates = _normalized_unique(texts, limit)
     _report_dropped(what, bad, duplicates, len(kept))
     return kept
 
 
-def _normalized_unique(texts: Iterable[Any]) -> tuple[list[str], int, int]:
+def _normalized_unique(texts: Iterable[Any], limit: int | None = None) -> tuple[list[str], int, int]:
     """Non-empty strings with whitespace collapsed, first occurrence of each; the counts of empty rows and repeats."""
     kept, seen, bad, duplicates = [], set(), 0, 0
     for text in texts:
+        if limit is not None and len(kept) >= limit:
+            break
         if not isinstance(text, str) or not text.strip():
             bad += 1
             continue
@@ -194,15 +253,35 @@ def _report_dropped(what: str, bad: int, duplicates: int, kept: int) -> None:
 
 
 def read_records(source: str, max_rows: int | None = None) -> list[dict[str, Any]]:
-    """Rows of a local file (.jsonl/.json/.csv/.parquet/.txt) or a Hub dataset's train split, as dicts."""
-    path = Path(source).expanduser()
+    """Rows of a local file or folder, or of a Hub dataset's train split, as dicts (the first `max_rows`)."""
+    head, rest = _head_and_rest(source)
+    return list(islice(chain(head, rest), max_rows))
+
+
+def _head_and_rest(source: str) -> tuple[list[dict[str, Any]], Iterator[dict[str, Any]]]:
+    """The first chunk of rows (to pick columns from; never empty) and an iterator over the rest."""
+    rows = iter_records(source)
+    head = list(islice(rows, CHUNK_ROWS))
+    if not head:
+        raise DistillError(f"data {source!r} has no rows; give a file or dataset with at least one row")
+    return head, rows
+
+
+def iter_records(source: str) -> Iterator[dict[str, Any]]:
+    """Rows of a local .jsonl/.json/.csv/.parquet/.txt file, a local dataset folder, or a Hub dataset.
+
+    A Hub dataset is `NAME` or `NAME:SUBSET` (its `train` split). Rows are converted in chunks, so a
+    capped phase reads only as many as it keeps.
+    """
+    path, subset = Path(source).expanduser(), {}
+    if not path.exists() and ":" in source:  # NAME:SUBSET, a Hub dataset or a local folder with subsets
+        name, subset_name = source.rsplit(":", 1)
+        path, subset = Path(name).expanduser(), {"name": subset_name}
     looks_local = path.suffix.lower() in LOCAL_FORMATS or source.startswith((".", "/", "~"))
-    if looks_local and not path.is_file():
-        raise DistillError(
-            f"data file {source!r} does not exist; pass an existing .jsonl/.json/.csv/.parquet/.txt file, "
-            "a Hub dataset name, or 'embedded'"
-        )
-    if path.is_file():
+    if path.is_dir():  # a folder written by save_to_disk, or of data files (parquet shards, ...)
+        saved = any((path / f).is_file() for f in ("state.json", "dataset_dict.json"))
+        dataset = _load_dataset(str(path), source, from_disk=saved and not subset, **subset)
+    elif path.is_file():
         fmt = LOCAL_FORMATS.get(path.suffix.lower())
         if fmt is None:
             raise DistillError(
@@ -210,30 +289,66 @@ def read_records(source: str, max_rows: int | None = None) -> list[dict[str, Any
                 f"use one of {', '.join(LOCAL_FORMATS)}"
             )
         if fmt == "text":
-            lines = path.read_text(encoding="utf8").splitlines()
-            return [{"text": line} for line in lines[:max_rows]]
+            return ({"text": line} for line in _read_text(path, source).splitlines())
         dataset = _load_dataset(fmt, source, data_files=str(path))
+    elif looks_local:
+        raise DistillError(
+            f"data file {source!r} does not exist; pass an existing .jsonl/.json/.csv/.parquet/.txt file "
+            "or dataset folder, a Hub dataset name, or 'embedded'"
+        )
     else:
-        dataset = _load_dataset(source, source)
-    if max_rows is not None and len(dataset) > max_rows:
-        dataset = dataset.select(range(max_rows))
-    if len(dataset) == 0:
-        raise DistillError(f"data {source!r} has no rows; give a file or dataset with at least one row")
-    return dataset.to_list()
+        dataset = _load_dataset(str(path), source, **subset)
+    return (row for start in range(0, len(dataset), CHUNK_ROWS) for row in _chunk(dataset, start))
 
 
-def _load_dataset(name: str, source: str, **kwargs: Any):  # noqa: ANN202 - datasets.Dataset
+def _chunk(dataset, start: int) -> list[dict[str, Any]]:  # noqa: ANN001 - datasets.Dataset
+    return dataset.select(range(start, min(start + CHUNK_ROWS, len(dataset)))).to_list()
+
+
+def _read_text(path: Path, source: str) -> str:
+    try:
+        return path.read_text(encoding="utf8")
+    except UnicodeDecodeError as e:
+        raise DistillError(
+            f"data file {source!r} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8, "
+            f"e.g. iconv -f latin1 -t utf-8 {source} > utf8.txt"
+        ) from None
+
+
+def _load_dataset(path: str, source: str, from_disk: bool = False, **kwargs: Any):  # noqa: ANN202 - datasets.Dataset
     import datasets
+    from datasets.exceptions import DatasetGenerationError
 
     datasets.disable_progress_bars()
     try:
-        return datasets.load_dataset(name, split="train", **kwargs)
-    except (FileNotFoundError, ConnectionError, OSError, ValueError) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if from_disk:
+            loaded = datasets.load_from_disk(path)
+            return loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded
+        return datasets.load_dataset(path, split="train", **kwargs)
+    except DatasetGenerationError as e:
+        cause = e.__cause__ or e
         raise DistillError(
-            f"data {source!r} could not be loaded ({first_line[:200]}); pass a local "
-            ".jsonl/.json/.csv/.parquet/.txt file or 'embedded' when the Hub is not reachable"
+            f"data {source!r} could not be read ({_first_line(cause)}); check that it is well-formed "
+            "(a .jsonl holds one complete JSON object per line) and UTF-8"
         ) from None
+    except (FileNotFoundError, ConnectionError, OSError, ValueError, KeyError) as e:
+        subsets = re.search(r"available configs: \[([^\]]*)\]", str(e))
+        if "Config name is missing" in str(e) and subsets:
+            first = subsets.group(1).split(",")[0].strip().strip("'\"")
+            raise DistillError(
+                f"data {source!r} has several subsets ({subsets.group(1)}); name one as NAME:SUBSET, "
+                f"e.g. {source}:{first}"
+            ) from None
+        raise DistillError(
+            f"data {source!r} could not be loaded ({_first_line(e)}); pass a local "
+            ".jsonl/.json/.csv/.parquet/.txt file or dataset folder, a Hub dataset (NAME or NAME:SUBSET, with "
+            "a train split), or 'embedded' when the Hub is not reachable"
+        ) from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else type(error).__name__)[:200]
 
 
 def pick_column(

@@ -396,3 +396,85 @@ def test_embedded_eval_set_points_at_the_right_passages() -> None:
     for query, relevant in zip(evaluation.queries, evaluation.relevant, strict=True):
         assert queries[relevant] == query
     assert len(evaluation.sts_texts) == 50 and len(evaluation.sts_pairs) == 1225
+
+
+# ---------------------------------------------------------------- formats users bring (review of session 24)
+
+
+def test_bge_style_pos_and_neg_lists(tmp_path: Path) -> None:
+    rows = [{"query": f"q{i}", "pos": [f"p{i}", f"other {i}"], "neg": [f"a{i}", f"b{i}"]} for i in range(3)]
+    pairs = load_pairs(str(write_jsonl(tmp_path / "bge.jsonl", rows)), 10, seed=0)
+    assert pairs.queries == ["q0", "q1", "q2"]
+    assert pairs.passages == ["p0", "p1", "p2"]  # the first positive of each list
+    assert pairs.negatives == [["a0", "b0"], ["a1", "b1"], ["a2", "b2"]]
+
+
+def test_columns_named_like_negatives_but_not_texts_are_ignored(tmp_path: Path) -> None:
+    rows = [{"query": f"q{i}", "passage": f"p{i}", "negative_score": 0.5, "negative_ids": [i]} for i in range(3)]
+    pairs = load_pairs(str(write_jsonl(tmp_path / "p.jsonl", rows)), 10, seed=0)
+    assert pairs.queries == ["q0", "q1", "q2"] and pairs.negatives == []
+
+
+def test_a_row_without_negatives_is_dropped_not_the_negatives_of_all(tmp_path: Path) -> None:
+    rows = [{"query": f"q{i}", "passage": f"p{i}", "negatives": [f"n{i}", f"m{i}"]} for i in range(20)]
+    rows[5]["negatives"] = []
+    pairs = load_pairs(str(write_jsonl(tmp_path / "p.jsonl", rows)), 100, seed=0)
+    assert len(pairs) == 19 and "q5" not in pairs.queries
+    assert all(len(n) == 2 for n in pairs.negatives) and pairs.negatives[0] == ["n0", "m0"]
+
+
+def test_max_samples_counts_usable_texts_not_raw_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "spaced.txt"
+    path.write_text("".join(f"sentence {i}\n\n" for i in range(100)))  # every other line blank
+    assert load_phase1_texts(str(path), 40) == [f"sentence {i}" for i in range(40)]
+    monkeypatch.setattr("distill.data.CHUNK_ROWS", 3)  # datasets are read in chunks until enough are usable
+    rows = [{"query": "same", "passage": "same"}] * 5 + numbered_pairs(20)
+    pairs = load_pairs(str(write_jsonl(tmp_path / "dupes.jsonl", rows)), 7, seed=0)
+    assert len(pairs) == 7 and pairs.queries[0] == "same" and len(set(pairs.queries)) == 7
+
+
+def test_malformed_jsonl_is_one_error_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": "broken"\n')
+    with pytest.raises(DistillError, match=r"'.*bad\.jsonl' could not be read \(.*\); check that it is well-formed"):
+        load_phase1_texts(str(path), 10)
+
+
+def test_text_file_that_is_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "latin.txt"
+    path.write_bytes("café crème\n".encode("latin-1"))
+    with pytest.raises(DistillError, match=r"is not UTF-8 text .*; convert it to UTF-8, e\.g\. iconv"):
+        load_phase1_texts(str(path), 10)
+
+
+def test_local_dataset_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shards = tmp_path / "pq"
+    shards.mkdir()
+    write_parquet(shards / "part-0.parquet", [{"text": f"shard zero {i}"} for i in range(3)])
+    write_parquet(shards / "part-1.parquet", [{"text": f"shard one {i}"} for i in range(3)])
+    monkeypatch.chdir(tmp_path)
+    for source in ("./pq", str(shards), "pq"):
+        assert sorted(load_phase1_texts(source, 100)) == sorted(
+            [f"shard zero {i}" for i in range(3)] + [f"shard one {i}" for i in range(3)]
+        )
+    import datasets
+
+    datasets.Dataset.from_list(numbered_pairs(12)).save_to_disk(str(tmp_path / "saved"))
+    assert len(load_pairs(str(tmp_path / "saved"), 100, seed=0)) == 12
+
+
+def test_dataset_with_subsets_needs_one_named(tmp_path: Path) -> None:
+    folder = tmp_path / "multi"
+    for subset, rows in (("pair", numbered_pairs(4)), ("triplet", numbered_pairs(6))):
+        (folder / subset).mkdir(parents=True)
+        write_jsonl(folder / subset / "train.jsonl", rows)
+    (folder / "README.md").write_text(
+        "---\nconfigs:\n"
+        "- config_name: pair\n  data_files:\n  - split: train\n    path: pair/train.jsonl\n"
+        "- config_name: triplet\n  data_files:\n  - split: train\n    path: triplet/train.jsonl\n---\n"
+    )
+    with pytest.raises(
+        DistillError, match=r"several subsets \('pair', 'triplet'\); name one as NAME:SUBSET, e\.g\. .*:pair"
+    ):
+        load_pairs(str(folder), 10, seed=0)
+    assert len(load_pairs(f"{folder}:triplet", 10, seed=0)) == 6
