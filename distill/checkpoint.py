@@ -6,7 +6,7 @@ A checkpoint is `<output_dir>/checkpoints/checkpoint-<phase>-<step>/` holding
 - `phase_state.safetensors` (when the phase has any): tensors the loop carries between steps, the same on
   every rank, such as phase 2's cross-batch passage memory;
 - `state.json`: phase, epoch, batches done in the epoch, optimizer steps, the losses and results so far,
-  and the identity of the run (teacher, student, mode), checked on resume.
+  and the settings of the run that decide what it trains (train.run_identity), checked on resume.
 Data order needs no saved state: the batch sampler is a pure function of (seed, epoch), and resuming
 mid-epoch skips the batches already done (`skip_first_batches`).
 
@@ -95,11 +95,21 @@ def find_checkpoint(output_dir: str | os.PathLike, spec: str) -> Path | None:
 
 
 def read_state(path: Path, identity: dict) -> TrainingState:
-    """The checkpoint's state, after checking it was made by the same teacher, student and mode."""
+    """The checkpoint's state, after checking it was made with the same settings (`identity`).
+
+    Only the settings the checkpoint recorded are compared (checkpoints written before session 24 recorded
+    teacher, student and mode only). YAML/JSON round trips turn tuples into lists, so values are compared
+    after the same round trip.
+    """
     state = TrainingState.from_json((path / STATE_FILE).read_text())
-    different = {k: (state.identity.get(k), v) for k, v in identity.items() if state.identity.get(k) != v}
+    identity = json.loads(json.dumps(identity))
+    different = {
+        k: (state.identity[k], v) for k, v in identity.items() if k in state.identity and state.identity[k] != v
+    }
     if different:
         described = ", ".join(f"{k}: checkpoint has {old!r}, this run {new!r}" for k, (old, new) in different.items())
+        if "global_batch_size" in different:
+            described += " (the global batch is --batch_size times the number of processes)"
         raise DistillError(
             f"checkpoint {path} comes from a different run ({described}); resume with the same settings "
             "or start in a fresh --output_dir"

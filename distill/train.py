@@ -42,8 +42,8 @@ from distill.batching import (
     make_loader,
     topic_clusters,
 )
-from distill.checkpoint import PHASES, TrainingState, find_checkpoint, read_state
-from distill.config import Config, dump_config, load_config, to_flat_dict
+from distill.checkpoint import PHASES, TrainingState, checkpoint_root, find_checkpoint, list_checkpoints, read_state
+from distill.config import LEAVES, Config, dump_config, load_config, to_flat_dict
 from distill.data import DistillData, Pairs, load_data
 from distill.errors import DistillError, OutOfMemory, first_sentences, memory_message
 from distill.evaluation import EvalInputs, EvalVectors, encode_student, evaluate_student, evaluate_teacher
@@ -163,14 +163,23 @@ def compile_plugin(backend: str) -> TorchDynamoPlugin:
     return TorchDynamoPlugin(backend=backend, use_regional_compilation=True, dynamic=True)
 
 
-def check_output_dir(accelerator: Accelerator, path: str) -> Path:
+def check_output_dir(accelerator: Accelerator, path: str, fresh: bool = False) -> Path:
     """Fail early if output_dir cannot be written, leaving nothing behind (folders made for the probe are removed).
 
+    A `fresh` run (not resuming) also fails if output_dir holds an earlier run's checkpoints: its own would be
+    ordered among them, pruned in their favour, and `latest` would pick the earlier run's.
     The main process probes and tells every process the verdict, so all of them stop, none waits alone.
     """
     output_dir = Path(path).expanduser()
     problem = [None]
-    if accelerator.is_main_process:
+    earlier = list_checkpoints(checkpoint_root(output_dir)) if fresh and accelerator.is_main_process else []
+    if earlier:
+        problem[0] = (
+            f"output_dir {str(output_dir)!r} holds checkpoints of an earlier run ({earlier[-1].name}, ...); pass "
+            "--resume_from_checkpoint latest to continue it, or a fresh --output_dir (or delete "
+            f"{checkpoint_root(output_dir)})"
+        )
+    elif accelerator.is_main_process:
         missing = [p for p in [output_dir, *output_dir.parents] if not p.exists()]
         try:
             output_dir.mkdir(parents=True, exist_ok=True)
@@ -423,16 +432,44 @@ def tracker_config(config: Config) -> dict:
     return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in to_flat_dict(config).items()}
 
 
-def run_identity(config: Config) -> dict:
-    """What a checkpoint must share with the run that resumes it."""
-    m = config.model
-    return {
-        "teacher_model": m.teacher_model,
-        "student_model": m.student_model,
-        "student_num_layers": m.student_num_layers,
-        "use_projection": m.use_projection,
-        "matryoshka_dims": m.matryoshka_dims,
+# What a resumed run may change: how fast, where and how precisely it computes, not what it trains on or how.
+RESUME_MAY_CHANGE = {
+    "teacher_batch_size",
+    "mixed_precision",
+    "pad_to_multiple_of",
+    "forward_chunks",
+    "gradient_checkpointing",
+    "torch_compile",
+    "torch_compile_backend",
+    "ddp_comm_hook",
+    "skip_phase1",
+    "skip_phase2",
+}
+RESUME_SECTIONS = ("model", "data", "phase1", "phase2", "training")
+
+
+def run_identity(config: Config, world: int) -> dict:
+    """What a checkpoint must share with the run that resumes it.
+
+    Every setting of the model, data and training that decides what is trained on and how: the data order
+    is a function of (seed, epoch, global batch), a resumed epoch skips the batches already done, and the
+    schedule is laid out from the epochs and batch counts, so a change in any of them would silently train
+    on other samples or bend the schedule. The per-process batch counts as the global batch, so an
+    elastic restart on another number of processes resumes when the global batch is the same.
+    """
+    identity = {
+        leaf.flag: getattr(getattr(config, leaf.section), leaf.name)
+        for leaf in LEAVES
+        if leaf.section in RESUME_SECTIONS and leaf.flag not in RESUME_MAY_CHANGE and leaf.flag != "batch_size"
     }
+    identity["global_batch_size"] = config.training.batch_size * world
+    return identity
+
+
+def resume_requested(config: Config) -> bool:
+    """Whether this run continues an earlier one: by the flag, or as an elastic restart of the group."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    return config.checkpoint.resume_from_checkpoint is not None or restarted
 
 
 def resume_point(config: Config) -> Path | None:
@@ -511,11 +548,12 @@ def run(config: Config) -> dict:
     """The whole pipeline on this process (one of the launched ones). Returns the results dict."""
     accelerator = make_accelerator(config)
     set_seed(config.training.seed)
-    check_output_dir(accelerator, config.output.output_dir)
+    check_output_dir(accelerator, config.output.output_dir, fresh=not resume_requested(config))
     world = accelerator.num_processes
     phases = [p for p in PHASES if not getattr(config.training, f"skip_{p}")]
     resume = resume_point(config)
-    state = read_state(resume, run_identity(config)) if resume else TrainingState(identity=run_identity(config))
+    identity = run_identity(config, world)
+    state = read_state(resume, identity) if resume else TrainingState(identity=identity)
     if resume:
         logger.warning(
             f"resuming from {resume} ({state.phase}, optimizer step {state.optimizer_steps})", main_process_only=True

@@ -339,3 +339,47 @@ def test_latest_ignores_incomplete_checkpoints_and_bad_paths_are_errors(tmp_path
     assert find_checkpoint(tmp_path / "elsewhere", "latest") is None
     with pytest.raises(DistillError, match="is not a checkpoint folder"):
         find_checkpoint(tmp_path, str(root / "checkpoint-phase2-0000002"))
+
+
+def test_resume_refuses_other_training_settings_and_allows_the_same_global_batch(tmp_path):
+    """Data order and schedule follow seed, epochs and the global batch: a checkpoint resumes only under the same."""
+    from distill.config import load_config
+    from distill.train import run_identity
+
+    def identity(*argv: str, world: int = 1) -> dict:
+        return run_identity(load_config(["--teacher_model", "t", "--student_model", "s", *argv]), world)
+
+    folder_state = TrainingState(identity=json.loads(json.dumps(identity("--batch_size", "16", world=1))))
+
+    def resume_with(*argv: str, world: int = 1, state: TrainingState = folder_state) -> TrainingState:
+        (tmp_path / "state.json").write_text(json.dumps(state.__dict__))
+        return read_state(tmp_path, identity(*argv, world=world))
+
+    assert resume_with("--batch_size", "8", world=2).identity["global_batch_size"] == 16  # elastic, same global
+    resume_with("--batch_size", "16", "--mixed_precision", "bf16", "--teacher_batch_size", "64")  # speed only
+    with pytest.raises(DistillError, match=r"global_batch_size: checkpoint has 16, this run 8.*--batch_size times"):
+        resume_with("--batch_size", "8")
+    with pytest.raises(DistillError, match=r"different run \(seed: checkpoint has 42, this run 7\)"):
+        resume_with("--batch_size", "16", "--seed", "7")
+    with pytest.raises(DistillError, match=r"gradient_accumulation_steps: checkpoint has 1, this run 2"):
+        resume_with("--batch_size", "16", "--gradient_accumulation_steps", "2")
+    with pytest.raises(DistillError, match=r"phase2_epochs"):
+        resume_with("--batch_size", "16", "--phase2_epochs", "9")
+    old = TrainingState(identity={"teacher_model": "t", "student_model": "s"})  # written before session 24
+    assert resume_with("--batch_size", "8", state=old).identity == old.identity
+
+
+def test_a_fresh_run_refuses_an_output_dir_with_an_earlier_runs_checkpoints(tiny_models, tiny_data, tmp_path, capsys):
+    """Its checkpoints would be pruned in favour of the earlier ones, and `latest` would pick those."""
+    from distill.train import main
+
+    out = tmp_path / "reused"
+    earlier = out / "checkpoints" / "checkpoint-phase2-0000012"
+    earlier.mkdir(parents=True)
+    (earlier / "state.json").write_text(json.dumps(TrainingState().__dict__))
+    argv = tiny_run_flags(tiny_models, tiny_data, out, teacher_cache_dir=tmp_path / "cache", eval_data="none")
+    assert main(argv) == 2
+    message = capsys.readouterr().err
+    assert "holds checkpoints of an earlier run (checkpoint-phase2-0000012, ...)" in message
+    assert "--resume_from_checkpoint latest" in message
+    assert (earlier / "state.json").is_file() and not (out / "results.json").exists()
