@@ -370,7 +370,13 @@ def pick_column(
 
 
 def hold_out(pairs: Pairs, count: int, seed: int) -> tuple[Pairs, EvalSet]:
-    """Move `count` seeded-random pairs (at most a tenth) out of training into a retrieval evaluation set."""
+    """Move `count` seeded-random pairs (at most a tenth) out of training into a retrieval evaluation set.
+
+    The corpus holds each held-out passage once (two held-out queries with the same passage share it; a copy
+    would tie with it and lower the score). Training pairs that share any text with the held-out pairs (the
+    same passage under another query, the same query, a held-out passage as a negative) are dropped too,
+    with a count, so the student never trains toward the teacher's vector of an evaluation text.
+    """
     count = min(count, len(pairs) // 10)
     if count == 0:
         raise DistillError(
@@ -379,13 +385,28 @@ def hold_out(pairs: Pairs, count: int, seed: int) -> tuple[Pairs, EvalSet]:
         )
     order = list(range(len(pairs)))
     random.Random(seed).shuffle(order)
-    held, train = set(order[:count]), order[count:]
-    train.sort()
+    held = sorted(order[:count])
+    corpus = list(dict.fromkeys(pairs.passages[i] for i in held))
+    position = {passage: i for i, passage in enumerate(corpus)}
     evaluation = EvalSet(
-        queries=[pairs.queries[i] for i in sorted(held)],
-        corpus=[pairs.passages[i] for i in sorted(held)],
-        relevant=list(range(count)),
+        queries=[pairs.queries[i] for i in held],
+        corpus=corpus,
+        relevant=[position[pairs.passages[i]] for i in held],
     )
+    held_texts = set(evaluation.queries) | set(corpus)
+
+    def shares_text(i: int) -> bool:
+        row = [pairs.queries[i], pairs.passages[i], *(pairs.negatives[i] if pairs.negatives else [])]
+        return any(text in held_texts for text in row)
+
+    rest = sorted(order[count:])
+    train = [i for i in rest if not shares_text(i)]
+    if len(train) < len(rest):
+        logger.warning(
+            f"evaluation hold-out: also dropped {len(rest) - len(train)} training pairs that share a query or "
+            f"passage with the {count} held-out pairs; {len(train)} remain for training",
+            main_process_only=True,
+        )
     negatives = [pairs.negatives[i] for i in train] if pairs.negatives else []
     return Pairs([pairs.queries[i] for i in train], [pairs.passages[i] for i in train], negatives), evaluation
 

@@ -478,3 +478,19 @@ def test_dataset_with_subsets_needs_one_named(tmp_path: Path) -> None:
     ):
         load_pairs(str(folder), 10, seed=0)
     assert len(load_pairs(f"{folder}:triplet", 10, seed=0)) == 6
+
+
+def test_hold_out_keeps_evaluation_texts_out_of_training_and_the_corpus_unique() -> None:
+    """Natural-Questions-like data: several queries per passage, and passages that reappear as negatives."""
+    queries = [f"q{i}" for i in range(100)]
+    passages = [f"p{i // 2}" for i in range(100)]  # every passage answers two queries
+    negatives = [[f"p{(i // 2 + 1) % 50}"] for i in range(100)]  # each negative is another pair's passage
+    train, evaluation = hold_out(Pairs(queries, passages, negatives), 10, seed=2)  # q0 and q1 share p0
+    assert {"q0", "q1"} <= set(evaluation.queries) and len(evaluation.corpus) == 9
+    assert len(evaluation.corpus) == len(set(evaluation.corpus))  # no copy to tie with the relevant passage
+    for query, relevant in zip(evaluation.queries, evaluation.relevant, strict=True):
+        assert evaluation.corpus[relevant] == passages[queries.index(query)]
+    held = set(evaluation.queries) | set(evaluation.corpus)
+    assert train.queries, "something is left to train on"
+    for query, passage, negative in zip(train.queries, train.passages, train.negatives, strict=True):
+        assert not {query, passage, *negative} & held
