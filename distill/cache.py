@@ -181,7 +181,7 @@ class CacheWriter:
                     "role": self.role,
                     "teacher": self.spec.path,
                     "revision": self.spec.revision,
-                    "prompt": self.spec.query_prompt if self.role == "query" else "",
+                    "prompt": self.spec.prompt(self.role),
                     "max_seq_length": self.spec.max_seq_length,
                 }
                 (self.staging / "manifest.json").write_text(json.dumps(manifest, indent=2))

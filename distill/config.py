@@ -26,6 +26,8 @@ LR_SCALINGS = ("none", "linear", "sqrt")
 # Accelerate's DynamoBackend values that train on GPUs or CPUs (the rest: inference-only, other devices, or gone).
 TORCH_COMPILE_BACKENDS = ("inductor", "cudagraphs", "aot_eager", "eager")
 DDP_COMM_HOOKS = ("none", "fp16", "bf16")
+# Flags whose empty value is a value ("no prompt"), not "unset": unset is None, the teacher's own prompt.
+EMPTY_IS_A_VALUE = ("teacher_query_prompt", "teacher_document_prompt")
 
 
 def _opt(flag: str | None = None, help: str = "", choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
@@ -73,7 +75,13 @@ class ModelConfig:
     teacher_revision: str | None = _opt(default=None, help="Hub revision (branch, tag or commit) of the teacher.")
     teacher_query_prompt: str | None = _opt(
         default=None,
-        help="Prompt prepended to queries for the teacher (default: the teacher's own 'query' prompt).",
+        help="Prompt prepended to queries for the teacher: a text, or the name of one of the teacher's prompts; "
+        "'' for none (default: the teacher's own 'query' prompt).",
+    )
+    teacher_document_prompt: str | None = _opt(
+        default=None,
+        help="Prompt prepended to documents (passages, phase-1 texts) for the teacher: a text, or the name of one of "
+        "the teacher's prompts; '' for none (default: the teacher's own 'document', 'passage' or 'corpus' prompt).",
     )
     matryoshka_dims: list[int] | None = _opt(
         default=None,
@@ -303,6 +311,8 @@ def _convert(leaf: _Leaf, value: Any) -> Any:
     """Turn a YAML or command-line value into the field's type, or raise DistillError."""
     optional = type(None) in typing.get_args(leaf.type)
     tp = _base_type(leaf.type)
+    if value == "" and leaf.flag in EMPTY_IS_A_VALUE:
+        return ""
     if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null", "")):
         if optional:
             return None

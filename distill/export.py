@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 from accelerate import Accelerator
@@ -51,26 +52,45 @@ def export_models(
 
 
 def save_atomic(sentence_transformer, target: Path, card: str) -> None:  # noqa: ANN001
-    """sentence-transformers' save into `<target>.tmp`, card added, then swapped in for any previous export."""
+    """sentence-transformers' save into `<target>.tmp`, card added, then swapped in for any previous export.
+
+    The folder is saved without prompts: the student was distilled on unprompted texts, so the prompts it
+    came with would make `encode_query`/`encode_document` feed it inputs it was not trained on.
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".{target.name}.tmp-{os.getpid()}"
     previous = target.parent / f".{target.name}.old-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        sentence_transformer.save(str(staging), create_model_card=False)
+        with no_prompts(sentence_transformer):
+            sentence_transformer.save(str(staging), create_model_card=False)
         (staging / "README.md").write_text(card)
         if target.exists():
             os.replace(target, previous)
         os.replace(staging, target)
-    except OSError as e:
-        shutil.rmtree(staging, ignore_errors=True)
+    except BaseException as e:
+        shutil.rmtree(staging, ignore_errors=True)  # whatever failed, no half-written folder stays behind
         if previous.exists() and not target.exists():
             os.replace(previous, target)  # put the last good export back
-        raise DistillError(
-            f"cannot write the exported model to {target} ({e.strerror or e}); make {target.parent} writable "
-            "or pass --artifacts_dir elsewhere"
-        ) from None
+        if isinstance(e, OSError):
+            raise DistillError(
+                f"cannot write the exported model to {target} ({e.strerror or e}); make {target.parent} writable "
+                "or pass --artifacts_dir elsewhere"
+            ) from None
+        raise
     shutil.rmtree(previous, ignore_errors=True)
+
+
+@contextmanager
+def no_prompts(sentence_transformer):  # noqa: ANN001, ANN201
+    """Blank the model's prompts and default prompt while it is saved; put them back afterwards."""
+    prompts, default = sentence_transformer.prompts, sentence_transformer.default_prompt_name
+    sentence_transformer.prompts = dict.fromkeys(prompts, "")
+    sentence_transformer.default_prompt_name = None
+    try:
+        yield
+    finally:
+        sentence_transformer.prompts, sentence_transformer.default_prompt_name = prompts, default
 
 
 def model_card(settings: dict, table: str, dims: dict[str, int]) -> str:

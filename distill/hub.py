@@ -13,6 +13,7 @@ import importlib.resources
 import io
 import json
 import os
+import re
 import shutil
 import tempfile
 import zipfile
@@ -93,8 +94,9 @@ def models_cache_dir() -> Path:
 
 
 def _shipped_for(name: str) -> ShippedModel | None:
-    short = name.lower().rstrip("/").split("/")[-1]
-    return next((m for m in SHIPPED if m.hub_name.lower().split("/")[-1] == short), None)
+    """The shipped copy of exactly this Hub model (org/name, or the bare name sentence-transformers also accepts)."""
+    wanted = name.lower().rstrip("/")
+    return next((m for m in SHIPPED if wanted in (m.hub_name.lower(), m.hub_name.lower().split("/")[-1])), None)
 
 
 def shipped_models_hint() -> str:
@@ -103,13 +105,16 @@ def shipped_models_hint() -> str:
     return f"models usable offline: a local SentenceTransformer folder, or {listed}"
 
 
-def resolve_model(name: str) -> str:
-    """A local folder for `name` when there is one (the folder itself, or a PyPI-shipped copy), else `name`."""
+def resolve_model(name: str, revision: str | None = None) -> str:
+    """A local folder for `name` when there is one (the folder itself, or a PyPI-shipped copy), else `name`.
+
+    The shipped copy stands in only for its exact Hub name, and only when no `revision` is asked for.
+    """
     if Path(name).expanduser().is_dir():
         return str(Path(name).expanduser())
     if name.startswith((".", "/", "~")):
         raise DistillError(f"model folder {name!r} does not exist; pass an existing folder or a Hub name")
-    shipped = _shipped_for(name)
+    shipped = _shipped_for(name) if revision is None else None
     if shipped is not None:
         folder = shipped.locate()
         if folder is not None:
@@ -117,27 +122,65 @@ def resolve_model(name: str) -> str:
     return name
 
 
-def model_fingerprint(path_or_name: str, revision: str | None = None) -> str:
-    """Identity of a model's weights for cache keys: a hash of its files, or the Hub commit it resolves to.
+HUB_COMMIT = re.compile(r"[0-9a-f]{40}")
 
-    Small files are hashed whole; large weight files by size plus their first and last MiB, which holds
-    the safetensors header (names, shapes, offsets) and changes with any retraining.
+
+def model_fingerprint(path_or_name: str, revision: str | None = None, memo: Path | None = None) -> str:
+    """Identity of a model's weights for cache keys: the Hub commit it resolves to, or a hash of its files.
+
+    A Hub model (by name, or a `snapshots/<commit>` folder of the Hub cache) is its repository and commit:
+    files the Hub client adds to a snapshot later (README.md, remote code) do not change the key. A local
+    folder is the SHA-256 of every file, whole. Each file's digest is remembered in `memo` (a JSON file)
+    under its resolved path, size and modification time, so a warm run reads no weights again.
     """
     folder = Path(path_or_name)
     if not folder.is_dir():
         folder = Path(_hub_snapshot(path_or_name, revision))
+    if folder.parent.name == "snapshots" and HUB_COMMIT.fullmatch(folder.name):
+        return f"hub:{folder.parent.parent.name}@{folder.name}"  # models--org--name@commit
+    known = _read_memo(memo) if memo is not None else {}
+    digests = {}
     digest = hashlib.sha256()
     for file in sorted(p for p in folder.rglob("*") if p.is_file() and ".cache" not in p.parts):
-        size = file.stat().st_size
-        digest.update(f"{file.relative_to(folder)}:{size}".encode())
-        with open(file, "rb") as handle:
-            if size <= 4 << 20:
-                digest.update(handle.read())
-            else:
-                digest.update(handle.read(1 << 20))
-                handle.seek(size - (1 << 20))
-                digest.update(handle.read())
+        resolved = file.resolve()
+        stat = resolved.stat()
+        stamp = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        seen = known.get(str(resolved), {})
+        sha = seen.get("sha256") if {k: seen.get(k) for k in stamp} == stamp else None
+        if sha is None:
+            sha = file_sha256(resolved)
+        digests[str(resolved)] = {**stamp, "sha256": sha}
+        digest.update(f"{file.relative_to(folder)}:{stat.st_size}:{sha}".encode())
+    if memo is not None and any(known.get(k) != v for k, v in digests.items()):
+        _write_memo(memo, {**known, **digests})
     return digest.hexdigest()
+
+
+def file_sha256(path: Path, block: int = 16 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _read_memo(memo: Path) -> dict:
+    try:
+        known = read_json(memo)
+    except (OSError, ValueError):  # unreadable: the digests are computed again
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def _write_memo(memo: Path, digests: dict) -> None:
+    """Atomically; a memo that cannot be written only costs the next run a re-read."""
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        staging = memo.parent / f".{memo.name}.tmp-{os.getpid()}"
+        staging.write_text(json.dumps(digests, indent=1, sort_keys=True))
+        os.replace(staging, memo)
+    except OSError:
+        pass
 
 
 def _hub_snapshot(name: str, revision: str | None) -> str:
@@ -146,8 +189,8 @@ def _hub_snapshot(name: str, revision: str | None) -> str:
 
     try:
         return snapshot_download(
-            name, revision=revision, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]
-        )
+            name, revision=revision, allow_patterns=["*.json"]
+        )  # only the commit matters here; the weights come when the teacher is loaded
     except Exception as e:  # noqa: BLE001 - any failure here means: not reachable, say so
         raise DistillError(
             f"model {name!r} cannot be found locally or on the Hub ({type(e).__name__}); {shipped_models_hint()}"

@@ -109,6 +109,9 @@ def prune_layers(student, num_layers: int) -> list[int]:  # noqa: ANN001
     kept = evenly_spaced(len(layers), num_layers)
     setattr(owner, attr, nn.ModuleList([layers[i] for i in kept]))
     backbone.config.num_hidden_layers = len(kept)
+    layer_types = getattr(backbone.config, "layer_types", None)  # ModernBERT, Qwen, Gemma, Mistral: one per layer
+    if isinstance(layer_types, (list, tuple)) and len(layer_types) == len(layers):
+        backbone.config.layer_types = [layer_types[i] for i in kept]
     for new_index, layer in enumerate(getattr(owner, attr)):  # decoder layers keep their cache slot index
         attention = getattr(layer, "self_attn", None)
         if attention is not None and hasattr(attention, "layer_idx"):

@@ -43,7 +43,7 @@ Role = Literal["query", "document"]
 def load_teacher(name: str, device: torch.device | str, revision: str | None = None, trust_remote_code: bool = False):  # noqa: ANN201 - SentenceTransformer, imported lazily
     """Load a SentenceTransformer teacher for inference; half precision on CUDA, float32 elsewhere."""
     return load_sentence_transformer(
-        resolve_model(name), device, revision=revision, trust_remote_code=trust_remote_code, half=True
+        resolve_model(name, revision), device, revision=revision, trust_remote_code=trust_remote_code, half=True
     ).eval()
 
 
@@ -83,6 +83,10 @@ def load_sentence_transformer(
         ) from None
 
 
+# SentenceTransformer.encode_document's order: the first of these the teacher declares is its document prompt.
+DOCUMENT_PROMPT_NAMES = ("document", "passage", "corpus")
+
+
 @dataclass(frozen=True)
 class TeacherSpec:
     """Everything about the teacher that changes its embeddings, hence part of every cache key."""
@@ -93,28 +97,88 @@ class TeacherSpec:
     query_prompt: str
     trust_remote_code: bool
     compute_dtype: str
+    document_prompt: str = ""
 
     @classmethod
     def from_config(cls, config: ModelConfig, device: torch.device) -> TeacherSpec:
-        path = resolve_model(config.teacher_model)
-        prompt = config.teacher_query_prompt
-        if prompt is None:
-            prompt = teacher_prompts(path).get("query", "")
+        path = resolve_model(config.teacher_model, config.teacher_revision)
+        declared = teacher_prompts(path, config.teacher_revision)
+        query = role_prompt(declared, config.teacher_query_prompt, "query", path)
+        document = role_prompt(declared, config.teacher_document_prompt, "document", path)
         dtype = "bfloat16" if device.type == "cuda" else "float32"
-        max_length = config.teacher_max_seq_length or config.max_seq_length
-        return cls(path, config.teacher_revision, max_length, prompt, config.trust_remote_code, dtype)
+        # Unset, the teacher reads what the student reads; the teacher's own limit only when the student's is unknown.
+        max_length = (
+            config.teacher_max_seq_length or config.max_seq_length or student_max_seq_length(config.student_model)
+        )
+        return cls(path, config.teacher_revision, max_length, query, config.trust_remote_code, dtype, document)
+
+    def prompt(self, role: Role) -> str:
+        """The text prepended to every text of `role` before the teacher encodes it."""
+        return self.query_prompt if role == "query" else self.document_prompt
 
 
-def teacher_prompts(path: str) -> dict[str, str]:
-    """The teacher's prompts from its sentence-transformers config, read without loading its weights."""
+def role_prompt(declared: dict[str, str], given: str | None, role: Role, teacher: str) -> str:
+    """The teacher's prompt for `role`: `given` (a prompt text, or the name of one the teacher declares), else its own.
+
+    Its own is the 'query' prompt for queries, the first of DOCUMENT_PROMPT_NAMES for documents. Empty
+    prompts count as absent (sentence-transformers >= 6 saves empty 'query' and 'document' placeholders).
+    """
+    if given is not None:
+        return declared.get(given, given)  # "" (no prompt) is no prompt name
+    names = ("query",) if role == "query" else DOCUMENT_PROMPT_NAMES
+    own = next((declared[name] for name in names if declared.get(name)), "")
+    others = sorted(name for name, text in declared.items() if text and name not in ("query", *DOCUMENT_PROMPT_NAMES))
+    if role == "query" and not own and others:
+        raise DistillError(
+            f"teacher {teacher!r} declares the prompts {', '.join(others)} but none named 'query', so distill cannot "
+            f"tell which instruction its queries need; pass --teacher_query_prompt with one of these names (e.g. "
+            f"--teacher_query_prompt {others[0]}), a prompt text, or '' for none"
+        )
+    return own
+
+
+def teacher_prompts(path: str, revision: str | None = None) -> dict[str, str]:
+    """The teacher's prompts from its sentence-transformers config, read without loading its weights.
+
+    A teacher without that file has none. Offline, a Hub teacher whose file is not in the local cache is
+    taken to have none, with a warning.
+    """
     if Path(path).is_dir():
-        return read_json(Path(path) / "config_sentence_transformers.json").get("prompts", {}) or {}
-    try:
-        from huggingface_hub import hf_hub_download
+        return _prompts(read_json(Path(path) / "config_sentence_transformers.json"))
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
-        return read_json(Path(hf_hub_download(path, "config_sentence_transformers.json"))).get("prompts", {}) or {}
-    except Exception:  # noqa: BLE001 - a model without that file has no prompts
-        return {}
+    try:
+        return _prompts(read_json(Path(hf_hub_download(path, "config_sentence_transformers.json", revision=revision))))
+    except EntryNotFoundError as e:
+        if not isinstance(e, LocalEntryNotFoundError):  # the teacher has no such file: no prompts
+            return {}
+        problem = e  # offline and not cached: unknown, not absent
+    except (OSError, ValueError) as e:  # offline, unreachable, or no such repo/revision (its loading says so)
+        problem = e
+    logger.warning(
+        f"could not read the prompts of teacher {path!r} ({type(problem).__name__}); encoding with none. Pass "
+        "--teacher_query_prompt and --teacher_document_prompt if it needs them",
+        main_process_only=True,
+    )
+    return {}
+
+
+def _prompts(sentence_transformers_config: dict) -> dict[str, str]:
+    return {name: text or "" for name, text in (sentence_transformers_config.get("prompts") or {}).items()}
+
+
+def student_max_seq_length(student_model: str) -> int | None:
+    """The student's own token limit from its sentence_bert_config.json, read without loading it; None if unknown."""
+    path = resolve_model(student_model)
+    if Path(path).is_dir():
+        return read_json(Path(path) / "sentence_bert_config.json").get("max_seq_length")
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return read_json(Path(hf_hub_download(path, "sentence_bert_config.json"))).get("max_seq_length")
+    except (OSError, ValueError):  # unknown (offline, no such file): the teacher reads up to its own limit
+        return None
 
 
 def texts_fingerprint(texts: list[str]) -> str:
@@ -141,11 +205,12 @@ class TeacherCache:
 
     def key(self, texts: list[str], role: Role) -> str:
         if self._model_key is None:
-            self._model_key = model_fingerprint(self.spec.path, self.spec.revision)
+            memo = self.cache_dir.parent / f"{self.cache_dir.name}-fingerprints.json"  # beside the entries
+            self._model_key = model_fingerprint(self.spec.path, self.spec.revision, memo=memo)
         fields = {
             "format": CACHE_FORMAT,
             "model": self._model_key,
-            "prompt": self.spec.query_prompt if role == "query" else "",
+            "prompt": self.spec.prompt(role),
             "max_seq_length": self.spec.max_seq_length,
             "normalize": True,
             "compute_dtype": self.spec.compute_dtype,
@@ -158,11 +223,15 @@ class TeacherCache:
         key = self.key(texts, role)
         entry = self.cache_dir / key
         cached = read_entry(entry, key, len(texts))
-        if cached is not None:
+        # A hit only where every machine has the entry: a rank that skipped encoding while the others encode
+        # would leave them waiting in a collective forever. A machine that has it writes it again.
+        here = cached is not None
+        if everyone_has(self.accelerator, here):
             if self.accelerator.is_local_main_process:
                 touch(entry)  # its last use, for `python -m distill.cache prune --unused_days`
             return cached
-        if entry.exists():
+        cached = None  # the memory map is dropped before the writer replaces the entry
+        if entry.exists() and not here:
             logger.warning(
                 f"teacher cache entry {entry} is incomplete or corrupt; rebuilding it", main_process_only=True
             )
@@ -212,7 +281,7 @@ class TeacherCache:
         teacher = self._load()  # first, so that importing sentence-transformers counts as loading
         from sentence_transformers.util import batch_to_device
 
-        prompt = self.spec.query_prompt if role == "query" else ""
+        prompt = self.spec.prompt(role)
         lengths = np.asarray(token_lengths(teacher, [prompt + t for t in texts], teacher.max_seq_length))
         order = np.argsort(-lengths, kind="stable")  # the longest block first: a size that fits it fits the rest
 
@@ -323,6 +392,14 @@ def token_lengths(model, texts: list[str], max_length: int | None, chunk_size: i
         encoded = tokenizer(batch, truncation=True, max_length=max_length, add_special_tokens=True)
         lengths.extend(len(ids) for ids in encoded["input_ids"])
     return lengths
+
+
+def everyone_has(accelerator: Accelerator, has_entry: bool) -> bool:
+    """Whether every process found the cache entry on its own disk (one process: whether it did)."""
+    if accelerator.num_processes == 1:
+        return has_entry
+    flags = accelerator.gather(torch.tensor([int(has_entry)], dtype=torch.int64, device=accelerator.device))
+    return bool(flags.min())
 
 
 def rows_done_everywhere(accelerator: Accelerator, rows_done: int) -> int:

@@ -333,7 +333,7 @@ def check_declared_dimensions(model_config) -> None:  # noqa: ANN001 - ModelConf
     """Matryoshka mode needs a teacher at least as wide as the student: check it from the folders' configs."""
     if model_config.use_projection:
         return
-    teacher_dim = declared_dimension(resolve_model(model_config.teacher_model))
+    teacher_dim = declared_dimension(resolve_model(model_config.teacher_model, model_config.teacher_revision))
     student_dim = declared_dimension(resolve_model(model_config.student_model))
     if teacher_dim and student_dim:
         check_dimensions(student_dim, teacher_dim, use_projection=False)

@@ -339,3 +339,13 @@ def test_every_leaf_field_has_a_flag_and_help() -> None:
         assert leaf.help, leaf.flag
         assert "{" not in leaf.flag and "{" not in leaf.help
     assert {"phase1_lr", "phase2_lr", "phase1_epochs", "phase2_epochs"} <= set(config_module.FLAGS)
+
+
+@pytest.mark.parametrize("flag", ["teacher_query_prompt", "teacher_document_prompt"])
+def test_an_empty_prompt_means_no_prompt_not_the_teachers_own(flag: str, tmp_path: Path) -> None:
+    assert getattr(load_config([f"--{flag}", ""]).model, flag) == ""
+    assert getattr(load_config([]).model, flag) is None  # unset: the teacher's own
+    path = tmp_path / "config.yaml"
+    path.write_text(f'{flag}: ""\n')
+    assert getattr(load_config(["--config", str(path)]).model, flag) == ""
+    assert load_config(["--max_seq_length", ""]).model.max_seq_length is None  # other flags: "" is still unset

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -162,3 +163,42 @@ def test_model_card_mentions_models_table_and_settings() -> None:
     assert '"batch_size": 8' in card
     same = model_card({}, "", {"student": 32, "output": 32})
     assert "projected" not in same
+
+
+def test_any_failed_save_leaves_no_temporary_folder(
+    tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not only OSError: a config that fails validation mid-save, say, must not leave `.model.tmp-<pid>` behind."""
+    model = deployable_model(projected_model(tiny_models))
+
+    def fail(path: str, *args: object, **kwargs: object) -> None:
+        Path(path).mkdir(parents=True)
+        raise ValueError("layer_types does not match num_hidden_layers")
+
+    monkeypatch.setattr(model, "save", fail)
+    with pytest.raises(ValueError, match="layer_types"):
+        save_atomic(model, tmp_path / "out" / "model", CARD)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+@pytest.mark.parametrize("projection", [True, False])
+def test_exported_models_carry_no_prompts(tiny_models: dict[str, Path], tmp_path: Path, projection: bool) -> None:
+    """The student was trained on unprompted texts: encode_query/encode_document must not add its old prompts."""
+    student = SentenceTransformer(str(tiny_models["student"]), device="cpu")
+    student.prompts = {"query": "query: ", "document": "passage: ", "classification": "classify: "}
+    student.default_prompt_name = "classification"
+    model = projected_model(tiny_models) if projection else DistillationModel(student)
+    if projection:
+        model.student.prompts, model.student.default_prompt_name = dict(student.prompts), "classification"
+    targets = {"model": deployable_model(model)}
+    if projection:
+        targets["student"] = model.student
+    texts = sentences(4, seed=6)
+    for name, exported in targets.items():
+        save_atomic(exported, tmp_path / name, CARD)
+        saved = json.loads((tmp_path / name / "config_sentence_transformers.json").read_text())
+        assert not any(saved["prompts"].values()) and saved["default_prompt_name"] is None, name
+        reloaded = SentenceTransformer(str(tmp_path / name), device="cpu")
+        np.testing.assert_allclose(reloaded.encode_query(texts), reloaded.encode(texts, prompt=""), atol=1e-6)
+        np.testing.assert_allclose(reloaded.encode_document(texts), reloaded.encode(texts, prompt=""), atol=1e-6)
+    assert model.student.prompts["query"] == "query: "  # the in-memory model is left as it was

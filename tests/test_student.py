@@ -356,3 +356,13 @@ def test_orthogonal_projection_keeps_the_students_cosines() -> None:
     assert all(p.requires_grad for p in projection.parameters())  # it trains like the least-squares one
     with pytest.raises(DistillError, match="projection_init least_squares"):
         orthogonal_projection(teacher, student)  # 12 -> 8 cannot keep cosines
+
+
+def test_pruning_keeps_the_kept_layers_types(tiny_models: dict[str, Path]) -> None:
+    """ModernBERT, Qwen, Gemma, Mistral configs list one attention type per layer; it must follow the pruning."""
+    student = SentenceTransformer(str(tiny_models["student"]), device="cpu")
+    config = student[0].auto_model.config
+    config.layer_types = ["full", "sliding", "sliding", "full_last"]
+    assert prune_layers(student, 2) == [0, 3]
+    assert config.layer_types == ["full", "full_last"]
+    assert config.num_hidden_layers == 2

@@ -557,3 +557,210 @@ def test_two_processes_continue_what_one_process_began(
     vectors = np.asarray(cache.embeddings(texts, "document"), dtype=np.float32)  # a warm hit now
     assert not cache.loaded
     np.testing.assert_allclose(vectors, reference_embeddings(tiny_models["teacher"], texts), atol=2e-3)
+
+
+# ---------------------------------------------------------------- prompts, token limit, agreement on hits
+
+
+def prompted_teacher(tiny_models: dict[str, Path], folder: Path, prompts: dict[str, str]) -> Path:
+    import shutil
+
+    shutil.copytree(tiny_models["teacher"], folder)
+    (folder / "config_sentence_transformers.json").write_text(json.dumps({"prompts": prompts}))
+    return folder
+
+
+def test_document_prompt_is_applied_and_keyed(
+    accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """The teacher's own document prompt (encode_document's order: document, passage, corpus) reaches documents."""
+    teacher = prompted_teacher(tiny_models, tmp_path / "e5", {"query": "query: ", "passage": "passage: "})
+    spec = TeacherSpec.from_config(ModelConfig(teacher_model=str(teacher)), accelerator.device)
+    assert (spec.query_prompt, spec.document_prompt) == ("query: ", "passage: ")
+    cache = TeacherCache(accelerator, spec, tmp_path / "cache", batch_size=8)
+    texts = sentences(9, seed=2)
+    documents = np.asarray(cache.embeddings(texts, "document"), dtype=np.float32)
+    np.testing.assert_allclose(documents, reference_embeddings(teacher, texts, "passage: "), atol=2e-3)
+    manifest = json.loads((tmp_path / "cache" / cache.key(texts, "document") / "manifest.json").read_text())
+    assert manifest["prompt"] == "passage: "
+    unprompted = TeacherSpec.from_config(
+        ModelConfig(teacher_model=str(teacher), teacher_document_prompt=""), accelerator.device
+    )
+    assert unprompted.document_prompt == ""
+    other = TeacherCache(accelerator, unprompted, tmp_path / "cache", batch_size=8)
+    assert other.key(texts, "document") != cache.key(texts, "document")
+    assert other.key(texts, "query") == cache.key(texts, "query")  # the key is per role
+
+
+def test_role_prompt_by_name_text_or_none() -> None:
+    declared = {"query": "", "document": "", "passage": "passage: ", "corpus": "corpus: ", "qa": "Answer: "}
+    assert teacher_module.role_prompt(declared, None, "document", "t") == "passage: "  # empty placeholders skipped
+    assert teacher_module.role_prompt({"corpus": "c: ", "document": "d: "}, None, "document", "t") == "d: "
+    assert teacher_module.role_prompt(declared, "qa", "query", "t") == "Answer: "  # a name the teacher declares
+    assert teacher_module.role_prompt(declared, "Find: ", "query", "t") == "Find: "  # a text
+    assert teacher_module.role_prompt({"query": "q: "}, "", "query", "t") == ""  # explicitly none
+    assert teacher_module.role_prompt({"document": "d: "}, None, "query", "t") == ""
+
+
+def test_a_teacher_without_a_query_prompt_but_with_task_prompts_is_an_error(
+    accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """e5-mistral-7b-instruct declares only task-named prompts: distill cannot guess which one queries need."""
+    prompts = {"web_search_query": "Instruct: Given a web search query\nQuery: ", "sts_query": "Instruct: STS\nQuery: "}
+    teacher = prompted_teacher(tiny_models, tmp_path / "e5mistral", prompts)
+    with pytest.raises(
+        DistillError,
+        match=r"declares the prompts sts_query, web_search_query but none named 'query'.*"
+        r"pass --teacher_query_prompt",
+    ):
+        TeacherSpec.from_config(ModelConfig(teacher_model=str(teacher)), accelerator.device)
+    named = ModelConfig(teacher_model=str(teacher), teacher_query_prompt="web_search_query")
+    assert TeacherSpec.from_config(named, accelerator.device).query_prompt == prompts["web_search_query"]
+
+
+def test_hub_prompts_are_read_at_the_teachers_revision(
+    accelerator: Accelerator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import huggingface_hub
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    asked = []
+    config = tmp_path / "config_sentence_transformers.json"
+    config.write_text(json.dumps({"prompts": {"query": "v1 query: "}}))
+
+    def download(repo: str, filename: str, revision: str | None = None, **kwargs: object) -> str:
+        asked.append((repo, filename, revision))
+        return str(config)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    assert teacher_module.teacher_prompts("org/teacher", "v1") == {"query": "v1 query: "}
+    assert asked == [("org/teacher", "config_sentence_transformers.json", "v1")]
+
+    def missing(*args: object, **kwargs: object) -> str:
+        raise EntryNotFoundError("no such file")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", missing)
+    assert teacher_module.teacher_prompts("org/teacher", "v1") == {}
+    warnings = []
+    monkeypatch.setattr(teacher_module.logger, "warning", lambda message, **kwargs: warnings.append(message))
+
+    def offline(*args: object, **kwargs: object) -> str:
+        raise LocalEntryNotFoundError("offline and not cached")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    assert teacher_module.teacher_prompts("org/teacher", "v1") == {}
+    assert len(warnings) == 1 and "could not read the prompts of teacher 'org/teacher'" in warnings[0]
+
+    def broken(*args: object, **kwargs: object) -> str:
+        raise RuntimeError("a bug, not a missing file")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        teacher_module.teacher_prompts("org/teacher", "v1")
+
+
+def test_teacher_token_limit_defaults_to_the_students_own(
+    accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Neither limit set: the teacher reads the student's own limit (its sentence_bert_config.json), not its own."""
+    student = tmp_path / "student"
+    student.mkdir()
+    (student / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 24}))
+    config = ModelConfig(teacher_model=str(tiny_models["teacher"]), student_model=str(student))
+    assert TeacherSpec.from_config(config, accelerator.device).max_seq_length == 24
+    config.max_seq_length = 40
+    assert TeacherSpec.from_config(config, accelerator.device).max_seq_length == 40
+    unknown = ModelConfig(teacher_model=str(tiny_models["teacher"]), student_model="nobody/no-such-student")
+    assert TeacherSpec.from_config(unknown, accelerator.device).max_seq_length is None  # the teacher's own
+
+
+def test_embedded_demo_cache_keys_keep_their_token_limit_and_prompts(accelerator: Accelerator) -> None:
+    """The demo sets max_seq_length 128 itself, and its teacher has no prompts: the new defaults change nothing."""
+    from distill.config import load_config
+
+    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    config = load_config(["--config", str(demo)])
+    assert config.model.max_seq_length == 128
+    spec = TeacherSpec.from_config(config.model, accelerator.device)
+    assert (spec.max_seq_length, spec.query_prompt, spec.document_prompt) == (128, "", "")
+
+
+def test_a_hit_needs_every_process_to_hit(
+    accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class TwoProcesses:
+        num_processes = 2
+
+        def __init__(self, flags: list[int]) -> None:
+            self.flags = flags
+            self.device = "cpu"
+
+        def gather(self, tensor):  # noqa: ANN001, ANN202
+            import torch
+
+            return torch.tensor(self.flags)
+
+    assert teacher_module.everyone_has(TwoProcesses([1, 1]), True)
+    assert not teacher_module.everyone_has(TwoProcesses([1, 0]), True)  # the other machine lacks it
+    assert teacher_module.everyone_has(accelerator, True) and not teacher_module.everyone_has(accelerator, False)
+    # a process that has the entry while another does not encodes with the others, and ends with the same vectors
+    texts = sentences(6, seed=8)
+    make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache").embeddings(texts, "document")
+    monkeypatch.setattr(teacher_module, "everyone_has", lambda accelerator, here: False)
+    cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache")
+    vectors = np.asarray(cache.embeddings(texts, "document"), dtype=np.float32)
+    assert cache.loaded
+    np.testing.assert_allclose(vectors, reference_embeddings(tiny_models["teacher"], texts), atol=2e-3)
+
+
+ONE_MACHINE_LACKS_THE_ENTRY = """
+import json, sys
+from datetime import timedelta
+from pathlib import Path
+from accelerate import Accelerator, InitProcessGroupKwargs
+import distill.teacher as teacher_module
+from distill.config import ModelConfig
+
+model, cache_dir, texts_file, out = sys.argv[1:5]
+accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=40))])
+real_read, calls = teacher_module.read_entry, []
+
+def read_entry(*args):
+    calls.append(1)
+    if accelerator.process_index == 1 and len(calls) == 1:
+        return None  # this "machine" has no copy of the entry
+    return real_read(*args)
+
+teacher_module.read_entry = read_entry
+spec = teacher_module.TeacherSpec.from_config(ModelConfig(teacher_model=model), accelerator.device)
+cache = teacher_module.TeacherCache(accelerator, spec, cache_dir, batch_size=8)
+vectors = cache.embeddings(json.loads(Path(texts_file).read_text()), "document")
+Path(f"{out}.{accelerator.process_index}").write_text(json.dumps([cache.loaded, vectors.tolist()]))
+"""
+
+
+@pytest.mark.multiprocess
+def test_one_machine_without_the_entry_does_not_hang_the_others(
+    accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Rank 1 misses what rank 0 has: both encode (rank 0 rewrites its entry) instead of rank 0 leaving alone."""
+    texts = sentences(10, seed=4)
+    make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache").embeddings(texts, "document")
+    (tmp_path / "texts.json").write_text(json.dumps(texts))
+    (tmp_path / "driver.py").write_text(ONE_MACHINE_LACKS_THE_ENTRY)
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", ACCELERATE_USE_CPU="true", PYTHONPATH=str(repo))
+    args = [str(tiny_models["teacher"]), str(tmp_path / "cache"), str(tmp_path / "texts.json"), str(tmp_path / "seen")]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(tmp_path / "driver.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"seen.{rank}").read_text()) for rank in (0, 1)]
+    assert [loaded for loaded, _ in seen] == [True, True]  # both encoded, together
+    expected = reference_embeddings(tiny_models["teacher"], texts)
+    for _, vectors in seen:
+        np.testing.assert_allclose(np.asarray(vectors, dtype=np.float32), expected, atol=2e-3)

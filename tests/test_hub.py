@@ -1,0 +1,62 @@
+"""Model resolution (shipped copies for exact names only) and model fingerprints for cache keys."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import distill.hub as hub
+from distill.hub import model_fingerprint, resolve_model
+
+
+def test_a_shipped_copy_stands_in_only_for_its_exact_name_without_revision(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shipped = tmp_path / "shipped"
+    monkeypatch.setattr(
+        hub, "SHIPPED", [hub.ShippedModel("sentence-transformers/all-MiniLM-L6-v2", "pip", lambda: shipped)]
+    )
+    assert resolve_model("sentence-transformers/all-MiniLM-L6-v2") == str(shipped)
+    assert resolve_model("all-MiniLM-L6-v2") == str(shipped)
+    assert resolve_model("myorg/all-MiniLM-L6-v2") == "myorg/all-MiniLM-L6-v2"  # someone else's fine-tune
+    assert resolve_model("sentence-transformers/all-MiniLM-L6-v2", "v1") == "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def test_a_hub_snapshot_is_its_commit_whatever_files_arrive_later(tmp_path: Path) -> None:
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = tmp_path / "models--org--teacher" / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "model.safetensors").write_bytes(b"weights")
+    before = model_fingerprint(str(snapshot))
+    (snapshot / "README.md").write_text("# card")  # what loading the model fetches
+    (snapshot / "modeling.py").write_text("# remote code")
+    assert model_fingerprint(str(snapshot)) == before
+    assert commit in before and "models--org--teacher" in before
+
+
+def test_a_local_folder_is_hashed_whole_and_the_digests_are_remembered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "teacher"
+    folder.mkdir()
+    weights = folder / "model.safetensors"
+    data = bytearray(os.urandom(6 << 20))
+    weights.write_bytes(bytes(data))
+    memo = tmp_path / "cache-fingerprints.json"
+    first = model_fingerprint(str(folder), memo=memo)
+    assert json.loads(memo.read_text())[str(weights.resolve())]["size"] == 6 << 20
+    # a warm run reads no weights again
+    read = []
+    real = hub.file_sha256
+    monkeypatch.setattr(hub, "file_sha256", lambda path: read.append(path) or real(path))
+    assert model_fingerprint(str(folder), memo=memo) == first
+    assert read == []
+    # a fine-tune that changes only middle bytes (same size, same header) is another model
+    data[3 << 20] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1_000_000))
+    assert model_fingerprint(str(folder), memo=memo) != first
+    assert read == [weights.resolve()]
