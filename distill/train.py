@@ -435,12 +435,30 @@ def run_identity(config: Config) -> dict:
     }
 
 
-def resume_point(config: Config) -> Path | None:
-    """The checkpoint to continue from: the flag's, or the latest one after an elastic restart."""
+def resume_point(accelerator: Accelerator, config: Config) -> Path | None:
+    """The checkpoint to continue from: the flag's, or the latest one after an elastic restart.
+
+    Found by the main process and sent to the others, so every rank resumes from the same one (`latest` could
+    change under a rank's feet, or differ between machines' views of a shared folder).
+    """
     spec = config.checkpoint.resume_from_checkpoint
     if spec is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         spec = "latest"  # torchrun restarted the group after a failure: pick up where it stopped
-    return find_checkpoint(config.output.output_dir, spec) if spec else None
+    if not spec:
+        return None
+    found: list = [None]  # (checkpoint folder or None, error message or None)
+    if accelerator.is_main_process:
+        try:
+            path = find_checkpoint(config.output.output_dir, spec)
+            found[0] = (None if path is None else str(path), None)
+        except DistillError as e:
+            found[0] = (None, str(e))
+    if accelerator.num_processes > 1:
+        broadcast_object_list(found)
+    path, problem = found[0]
+    if problem:
+        raise DistillError(problem)
+    return None if path is None else Path(path)
 
 
 def training_memory_message(
@@ -514,7 +532,7 @@ def run(config: Config) -> dict:
     check_output_dir(accelerator, config.output.output_dir)
     world = accelerator.num_processes
     phases = [p for p in PHASES if not getattr(config.training, f"skip_{p}")]
-    resume = resume_point(config)
+    resume = resume_point(accelerator, config)
     state = read_state(resume, run_identity(config)) if resume else TrainingState(identity=run_identity(config))
     if resume:
         logger.warning(

@@ -339,3 +339,32 @@ def test_latest_ignores_incomplete_checkpoints_and_bad_paths_are_errors(tmp_path
     assert find_checkpoint(tmp_path / "elsewhere", "latest") is None
     with pytest.raises(DistillError, match="is not a checkpoint folder"):
         find_checkpoint(tmp_path, str(root / "checkpoint-phase2-0000002"))
+
+
+def test_every_rank_resumes_from_the_checkpoint_the_main_process_found(tmp_path, monkeypatch):
+    """`latest` is resolved on the main process only and broadcast: another rank never looks for itself."""
+    from types import SimpleNamespace
+
+    import distill.train
+    from distill.config import build_config
+
+    root = tmp_path / "checkpoints"
+    for name in ("checkpoint-phase1-0000003", "checkpoint-phase1-0000006"):
+        (root / name).mkdir(parents=True)
+        (root / name / "state.json").write_text("{}")
+    config = build_config({"output_dir": str(tmp_path), "resume_from_checkpoint": "latest", "log_with": "none"})
+    sent = []
+    monkeypatch.setattr(distill.train, "broadcast_object_list", lambda found: sent.append(list(found)))
+    main_process = SimpleNamespace(is_main_process=True, num_processes=2)
+    assert distill.train.resume_point(main_process, config) == root / "checkpoint-phase1-0000006"
+    assert sent == [[(str(root / "checkpoint-phase1-0000006"), None)]]
+
+    def receive(found: list) -> None:  # what the main process sent, whatever this rank would find
+        found[0] = (str(root / "checkpoint-phase1-0000003"), None)
+
+    monkeypatch.setattr(distill.train, "broadcast_object_list", receive)
+    other_rank = SimpleNamespace(is_main_process=False, num_processes=2)
+    assert distill.train.resume_point(other_rank, config) == root / "checkpoint-phase1-0000003"
+    monkeypatch.setattr(distill.train, "broadcast_object_list", lambda found: found.__setitem__(0, (None, "bad")))
+    with pytest.raises(DistillError, match="^bad$"):  # the main process's error, on every rank
+        distill.train.resume_point(other_rank, config)
