@@ -419,8 +419,14 @@ def eval_inputs(  # noqa: ANN201
 
 
 def tracker_config(config: Config) -> dict:
-    """The flat config with values every tracker accepts (TensorBoard's hparams take no None or lists)."""
-    return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in to_flat_dict(config).items()}
+    """The flat config with values every tracker accepts (TensorBoard's hparams take no None or lists).
+
+    Without resume_from_checkpoint: how a segment of the run was started, not a setting of the experiment, so a
+    resumed run logs the config it started with (and the JSON-lines tracker does not write it again).
+    """
+    flat = to_flat_dict(config)
+    flat.pop("resume_from_checkpoint", None)
+    return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flat.items()}
 
 
 def run_identity(config: Config) -> dict:
