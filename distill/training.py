@@ -403,6 +403,7 @@ def train_phase(
     window_losses: list[float] = []
     stop_requested = False
     window_start = state.batches_done  # batches done at the last optimizer step: where a resume restarts
+    window_samples = state.train_samples  # likewise the samples
     started = time.perf_counter() - state.train_seconds
     try:  # the bar ends its line before any error is printed, not glued to it
         for epoch in range(state.epoch, settings.epochs):
@@ -421,7 +422,7 @@ def train_phase(
                     global_loss, stop = batch_verdict(accelerator, reported, _Preemption.requested)
                     stop_requested = stop_requested or stop
                     if not math.isfinite(global_loss):  # before the optimizer step: the weights are still good
-                        state.batches_done = window_start
+                        state.batches_done, state.train_samples = window_start, window_samples
                         path = checkpoint()
                         raise TrainingStopped(
                             f"non-finite loss ({global_loss}) in {settings.name} at optimizer step "
@@ -443,7 +444,7 @@ def train_phase(
                 average.update(plain)
                 mean_loss = sum(window_losses) / len(window_losses)
                 window_losses.clear()
-                window_start = state.batches_done
+                window_start, window_samples = state.batches_done, state.train_samples
                 state.optimizer_steps += 1
                 state.accelerator_step = accelerator.step
                 state.losses.append(mean_loss)

@@ -341,6 +341,42 @@ def test_latest_ignores_incomplete_checkpoints_and_bad_paths_are_errors(tmp_path
         find_checkpoint(tmp_path, str(root / "checkpoint-phase2-0000002"))
 
 
+def signal_at_call(monkeypatch: pytest.MonkeyPatch, call: int, make) -> None:  # noqa: ANN001
+    """Wrap the phase loss so that its `call`-th call (a micro-batch) does `make(loss, reported)` first."""
+    import distill.training
+
+    calls = [0]
+    phase_loss = distill.training.phase_loss
+
+    def wrapped(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls[0] += 1
+        loss, reported = phase_loss(*args, **kwargs)
+        return make(loss, reported) if calls[0] == call else (loss, reported)
+
+    monkeypatch.setattr(distill.training, "phase_loss", wrapped)
+
+
+def short_run_flags(tiny_models, tiny_data, out: Path, cache: Path, **extra) -> list[str]:  # noqa: ANN001
+    """Phase 1 only, 6 optimizer steps, evaluated every 2, the best model kept."""
+    settings = dict(skip_phase2=True, max_samples_phase1=48, eval_steps=2, keep_best=True, teacher_cache_dir=cache)
+    return tiny_run_flags(tiny_models, tiny_data, out, **{**settings, **extra})
+
+
+def test_a_non_finite_loss_mid_window_rolls_back_the_windows_samples_too(tiny_models, tiny_data, tmp_path, monkeypatch):
+    """Accumulating 2 micro-batches a step, the 2nd micro-batch of step 2 is not finite: the checkpoint holds step 1's
+    counts (2 micro-batches, 16 samples), not the half-done window's."""
+    from distill.train import main
+
+    out = tmp_path / "nan"
+    argv = short_run_flags(
+        tiny_models, tiny_data, out, tmp_path / "cache", gradient_accumulation_steps=2, eval_data="none"
+    )
+    signal_at_call(monkeypatch, 4, lambda loss, reported: (loss * float("nan"), reported * float("nan")))
+    assert main(argv) == 3
+    state = read_state(find_checkpoint(out, "latest"), {})
+    assert (state.optimizer_steps, state.batches_done, state.train_samples) == (1, 2, 16)
+
+
 def test_every_rank_resumes_from_the_checkpoint_the_main_process_found(tmp_path, monkeypatch):
     """`latest` is resolved on the main process only and broadcast: another rank never looks for itself."""
     from types import SimpleNamespace
