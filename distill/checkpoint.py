@@ -57,6 +57,12 @@ class TrainingState:
         self.phase, self.epoch, self.batches_done, self.optimizer_steps = phase, 0, 0, 0
         self.train_samples, self.train_seconds, self.accelerator_step, self.losses = 0, 0.0, 0, []
 
+    def global_step(self) -> int:
+        """Optimizer steps since the run began, over the phases (finished ones are in `results`): never goes back."""
+        finished = self.results.get("phases", {})
+        earlier = PHASES[: PHASES.index(self.phase)]
+        return self.optimizer_steps + sum(finished[p]["optimizer_steps"] for p in earlier if p in finished)
+
     @classmethod
     def from_json(cls, text: str) -> TrainingState:
         return cls(**json.loads(text))

@@ -391,6 +391,7 @@ def train_phase(
         accelerator.step = state.accelerator_step  # keeps gradient-accumulation windows where they were
     else:
         state.start_phase(settings.name)
+    steps_before = state.global_step() - state.optimizer_steps  # earlier phases' steps: the trackers' x axis goes on
     _Preemption.install()
     wrapped.train()
     progress = tqdm(
@@ -451,7 +452,10 @@ def train_phase(
                 state.train_seconds = time.perf_counter() - started
                 progress.update(1)
                 progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}", refresh=False)
-                accelerator.log({f"{settings.name}/loss": mean_loss, f"{settings.name}/lr": scheduler.get_last_lr()[0]})
+                accelerator.log(
+                    {f"{settings.name}/loss": mean_loss, f"{settings.name}/lr": scheduler.get_last_lr()[0]},
+                    step=steps_before + state.optimizer_steps,
+                )
                 if stop_requested:  # decided collectively (batch_verdict): every rank stops at the same step
                     _Preemption.requested = False
                     path = checkpoint()
