@@ -405,7 +405,14 @@ def train_phase(
     stop_requested = False
     window_start = state.batches_done  # batches done at the last optimizer step: where a resume restarts
     window_samples = state.train_samples  # likewise the samples
-    started = time.perf_counter() - state.train_seconds
+    started = time.perf_counter() - state.train_seconds  # moved on by evaluations and checkpoints: not training time
+
+    def outside_training_time(action: Callable[[], object]) -> None:
+        nonlocal started
+        before = time.perf_counter()
+        action()
+        started += time.perf_counter() - before
+
     try:  # the bar ends its line before any error is printed, not glued to it
         for epoch in range(state.epoch, settings.epochs):
             state.epoch = epoch
@@ -465,9 +472,9 @@ def train_phase(
                         exit_code=143,
                     )
                 if evaluate is not None and eval_steps and state.optimizer_steps % eval_steps == 0:
-                    evaluate(average.model(plain), state.optimizer_steps)  # collective: all ranks
+                    outside_training_time(lambda: evaluate(average.model(plain), state.optimizer_steps))  # all ranks
                 if checkpoints.every and state.optimizer_steps % checkpoints.every == 0:
-                    checkpoint()
+                    outside_training_time(checkpoint)
                 if TRIM_EVERY and accelerator.device.type == "cpu" and state.optimizer_steps % TRIM_EVERY == 0:
                     release_freed_memory()
             state.batches_done = window_start = 0

@@ -346,6 +346,38 @@ def test_trackers_get_the_runs_optimizer_step_and_the_final_metrics(tiny_models,
         assert final[f"{row}/ndcg@10"] == results[row]["ndcg@10"]
 
 
+def test_train_seconds_leave_out_evaluations_and_checkpoints(tiny_models, tiny_data, tmp_path, monkeypatch):
+    """An evaluation and a checkpoint every 2 of 6 steps, each made 1 s slower: that time is not training time.
+
+    (The 6 steps themselves take about 0.1 s; a step after a pause is slower, its threads cold, so the bound is
+    half the pauses rather than nothing.)
+    """
+    import time
+
+    import distill.train
+    import distill.training
+
+    pauses = []
+
+    def slower(real):  # noqa: ANN001, ANN202
+        def slow(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            time.sleep(1.0)
+            pauses.append(1.0)
+            return real(*args, **kwargs)
+
+        return slow
+
+    monkeypatch.setattr(distill.train, "evaluate_student", slower(distill.train.evaluate_student))
+    monkeypatch.setattr(distill.training, "save_checkpoint", slower(distill.training.save_checkpoint))
+    out = tmp_path / "timed"
+    flags = short_evaluated_flags(tiny_models, tiny_data, out, eval_steps=2, checkpoint_steps=2, skip_phase2=True)
+    assert main(flags) == 0
+    stats = results_of(out)["phases"]["phase1"]
+    in_training = sum(pauses) - 1.0  # less the evaluation before training (step 6's is the end-of-phase one)
+    assert stats["optimizer_steps"] == 6 and in_training == 6.0  # steps 2, 4, 6: 3 evaluations, 3 checkpoints
+    assert stats["train_seconds"] < in_training / 2, stats["train_seconds"]
+
+
 def test_mined_hard_negatives_join_phase_two_without_re_encoding(tiny_models, tiny_data, tmp_path):
     out = tmp_path / "mined"
     pairs = tmp_path / "pairs.jsonl"  # the tiny pairs without their negative column
