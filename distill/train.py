@@ -72,6 +72,7 @@ from distill.training import (
     PhaseSettings,
     TrainingStopped,
     release_freed_memory,
+    release_stop_signals,
     scaled_lr,
     train_phase,
 )
@@ -710,6 +711,8 @@ def main(argv: list[str] | None = None) -> int:
         elif e.every_rank:  # its own problem; on a line of its own, not after rank 0's progress bar
             print(f"\nerror: {e}", file=sys.stderr)
         return 2
+    finally:
+        release_stop_signals()  # training is over: Ctrl-C interrupts at once again
 
 
 if __name__ == "__main__":
