@@ -49,6 +49,7 @@ class TrainingState:
     train_seconds: float = 0.0
     accelerator_step: int = 0  # Accelerate's micro-batch counter, which sets gradient-accumulation windows
     losses: list[float] = field(default_factory=list)
+    evaluation_pending: bool = False  # stopped at an --eval_steps step before evaluating it: the resume does first
     results: dict = field(default_factory=dict)  # evaluations and finished phases' figures so far
     identity: dict = field(default_factory=dict)
 
@@ -56,6 +57,13 @@ class TrainingState:
         """Reset the per-phase counters; results and identity carry over."""
         self.phase, self.epoch, self.batches_done, self.optimizer_steps = phase, 0, 0, 0
         self.train_samples, self.train_seconds, self.accelerator_step, self.losses = 0, 0.0, 0, []
+        self.evaluation_pending = False
+
+    def global_step(self) -> int:
+        """Optimizer steps since the run began, over the phases (finished ones are in `results`): never goes back."""
+        finished = self.results.get("phases", {})
+        earlier = PHASES[: PHASES.index(self.phase)]
+        return self.optimizer_steps + sum(finished[p]["optimizer_steps"] for p in earlier if p in finished)
 
     @classmethod
     def from_json(cls, text: str) -> TrainingState:

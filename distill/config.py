@@ -236,7 +236,9 @@ class OutputConfig:
 
 @dataclass
 class CheckpointConfig:
-    checkpoint_steps: int = _opt(default=0, help="Save a checkpoint every N optimizer steps (0: only on SIGTERM/NaN).")
+    checkpoint_steps: int = _opt(
+        default=0, help="Save a checkpoint every N optimizer steps (0: only on SIGTERM/Ctrl-C/NaN)."
+    )
     checkpoints_total_limit: int = _opt(default=2, help="Checkpoints kept in <output_dir>/checkpoints (oldest go).")
     eval_steps: int = _opt(default=0, help="Evaluate every N optimizer steps (0: only at the end of each phase).")
     keep_best: bool = _opt(

@@ -27,8 +27,10 @@ TRACKER_NAMES = ("jsonl", *PACKAGES)
 class JsonlTracker(GeneralTracker):
     """Appends `<logging_dir>/metrics.jsonl`: `{"config": ...}` first, then `{"step", "time", "values"}` per log.
 
-    The file is opened in append mode, so a resumed run adds to the same file; each run (or resumed segment)
-    starts with its own `{"config": ...}` line. Every line is flushed, so a crash loses nothing already logged.
+    The file is opened in append mode, so a resumed run adds to the same file; a run (or resumed segment) writes
+    its `{"config": ...}` line only when it differs from the file's last one, so resuming does not repeat it. The
+    step is the run's optimizer step: lines a resumed run logs again (those after its checkpoint) repeat a step.
+    Every line is flushed, so a crash loses nothing already logged.
     """
 
     name = "jsonl"
@@ -52,7 +54,8 @@ class JsonlTracker(GeneralTracker):
 
     @on_main_process
     def store_init_configuration(self, values: dict) -> None:
-        self._write({"config": values})
+        if json.loads(json.dumps(values, default=_to_json)) != self._last_config():  # compared as read back
+            self._write({"config": values})
 
     @on_main_process
     def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
@@ -63,6 +66,19 @@ class JsonlTracker(GeneralTracker):
         if self._file is not None:
             self._file.close()
             self._file = None
+
+    def _last_config(self) -> dict | None:
+        """The config of the file's last `{"config": ...}` line, if any (a torn last line is skipped)."""
+        last = None
+        if self.path.is_file():
+            with open(self.path, encoding="utf-8") as lines:
+                for line in lines:
+                    if line.startswith('{"config": '):
+                        try:
+                            last = json.loads(line)["config"]
+                        except json.JSONDecodeError:
+                            pass
+        return last
 
     def _write(self, record: dict) -> None:
         if self._file is None:  # used without `Accelerator.init_trackers`

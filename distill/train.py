@@ -72,6 +72,7 @@ from distill.training import (
     PhaseSettings,
     TrainingStopped,
     release_freed_memory,
+    release_stop_signals,
     scaled_lr,
     train_phase,
 )
@@ -428,8 +429,14 @@ def eval_inputs(  # noqa: ANN201
 
 
 def tracker_config(config: Config) -> dict:
-    """The flat config with values every tracker accepts (TensorBoard's hparams take no None or lists)."""
-    return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in to_flat_dict(config).items()}
+    """The flat config with values every tracker accepts (TensorBoard's hparams take no None or lists).
+
+    Without resume_from_checkpoint: how a segment of the run was started, not a setting of the experiment, so a
+    resumed run logs the config it started with (and the JSON-lines tracker does not write it again).
+    """
+    flat = to_flat_dict(config)
+    flat.pop("resume_from_checkpoint", None)
+    return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flat.items()}
 
 
 # What a resumed run may change: how fast, where and how precisely it computes, not what it trains on or how.
@@ -472,12 +479,30 @@ def resume_requested(config: Config) -> bool:
     return config.checkpoint.resume_from_checkpoint is not None or restarted
 
 
-def resume_point(config: Config) -> Path | None:
-    """The checkpoint to continue from: the flag's, or the latest one after an elastic restart."""
+def resume_point(accelerator: Accelerator, config: Config) -> Path | None:
+    """The checkpoint to continue from: the flag's, or the latest one after an elastic restart.
+
+    Found by the main process and sent to the others, so every rank resumes from the same one (`latest` could
+    change under a rank's feet, or differ between machines' views of a shared folder).
+    """
     spec = config.checkpoint.resume_from_checkpoint
-    if spec is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    if spec is None and resume_requested(config):
         spec = "latest"  # torchrun restarted the group after a failure: pick up where it stopped
-    return find_checkpoint(config.output.output_dir, spec) if spec else None
+    if not spec:
+        return None
+    found: list = [None]  # (checkpoint folder or None, error message or None)
+    if accelerator.is_main_process:
+        try:
+            path = find_checkpoint(config.output.output_dir, spec)
+            found[0] = (None if path is None else str(path), None)
+        except DistillError as e:
+            found[0] = (None, str(e))
+    if accelerator.num_processes > 1:
+        broadcast_object_list(found)
+    path, problem = found[0]
+    if problem:
+        raise DistillError(problem)
+    return None if path is None else Path(path)
 
 
 def training_memory_message(
@@ -516,32 +541,69 @@ def lost_a_peer(error: BaseException) -> str | None:
     return first_sentences(re.sub(r"^\[[^\]]*\]\s*", "", text), 1, 200)  # without gloo's [source file:line]
 
 
-def periodic_evaluation(
-    accelerator: Accelerator,
-    config: Config,
-    evaluation: EvalInputs | None,
-    dims: list[int] | None,
-    phase: str,
-    results: dict,
-    output_dir: Path,
-) -> Callable[[DistillationModel, int], None] | None:
-    """With --eval_steps: an evaluation run on every process mid-phase, logged, keeping the best model if asked."""
-    if evaluation is None or not config.checkpoint.eval_steps:
-        return None
-    history = results.setdefault("evaluations", {}).setdefault(phase, [])
-    best = [max((h["ndcg@10"] for h in history), default=float("-inf"))]
+class PhaseEvaluation:
+    """A phase's evaluations, on every process: every --eval_steps optimizer steps (`periodic`, logged) and at its
+    end (`final`); with --keep_best, the best of them is exported to <output_dir>/best/<phase>.
 
-    def evaluate(model: DistillationModel, step: int) -> None:
-        metrics = evaluate_student(accelerator, model, evaluation, 2 * config.training.batch_size, dims)
+    The end-of-phase model is the one the last periodic evaluation scored when the phase ends on an evaluation
+    step (the weight average, when there is one, is what both score), so that evaluation is not made twice.
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        config: Config,
+        evaluation: EvalInputs,
+        dims: list[int] | None,
+        phase: str,
+        state: TrainingState,
+        output_dir: Path,
+    ):
+        self.accelerator, self.config, self.evaluation, self.dims = accelerator, config, evaluation, dims
+        self.phase, self.state, self.output_dir = phase, state, output_dir
+        self.history = state.results.setdefault("evaluations", {}).setdefault(phase, [])
+        self.best = max((h["ndcg@10"] for h in self.history), default=float("-inf"))
+        self.last: tuple[int, dict] | None = None  # (optimizer step, metrics) of the last periodic evaluation
+        self.keep_best = config.checkpoint.keep_best and config.checkpoint.eval_steps > 0
+
+    def periodic(self, model: DistillationModel, step: int) -> None:
+        metrics = self._evaluate(model)
         scalars = {k: v for k, v in metrics.items() if isinstance(v, float)}
-        history.append({"step": step, **scalars})
-        accelerator.log({f"{phase}/eval/{k}": v for k, v in scalars.items()})
-        if config.checkpoint.keep_best and metrics["ndcg@10"] > best[0]:
-            best[0] = metrics["ndcg@10"]
-            card = model_card(to_flat_dict(config), f"best of {phase} at optimizer step {step}: {scalars}", {})
-            export_models(accelerator, model, output_dir / "best" / phase, card)
+        self.history.append({"step": step, **scalars})
+        self.accelerator.log({f"{self.phase}/eval/{k}": v for k, v in scalars.items()}, step=self.state.global_step())
+        self.last = (step, metrics)
+        self._keep_if_best(model, metrics, f"best of {self.phase} at optimizer step {step}: {scalars}")
 
-    return evaluate
+    def final(self, model: DistillationModel, step: int) -> dict:
+        """The metrics of the model the phase ends with, at its last optimizer step `step`."""
+        if self.last is not None and self.last[0] == step:
+            return self.last[1]  # scored (and compared) by the periodic evaluation of that step
+        metrics = self._evaluate(model)
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, float)}
+        self._keep_if_best(model, metrics, f"best of {self.phase}: its end, optimizer step {step}: {scalars}")
+        return metrics
+
+    def _evaluate(self, model: DistillationModel) -> dict:
+        batch_size = 2 * self.config.training.batch_size
+        return evaluate_student(self.accelerator, model, self.evaluation, batch_size, self.dims)
+
+    def _keep_if_best(self, model: DistillationModel, metrics: dict, description: str) -> None:
+        if self.keep_best and metrics["ndcg@10"] > self.best:
+            self.best = metrics["ndcg@10"]
+            card = model_card(to_flat_dict(self.config), description, {})
+            export_models(self.accelerator, model, self.output_dir / "best" / self.phase, card)
+
+
+def tracked_results(results: dict) -> dict[str, float]:
+    """The run's evaluation rows as flat tracker scalars: `student_after/ndcg@10`, `teacher/matryoshka_ndcg@10/8`."""
+    scalars = {}
+    for row in ("teacher", "student_before", "after_phase1", "student_after"):
+        for name, value in results.get(row, {}).items():
+            if isinstance(value, dict):
+                scalars |= {f"{row}/{name}/{k}": v for k, v in value.items() if isinstance(v, (int, float))}
+            elif isinstance(value, (int, float)):
+                scalars[f"{row}/{name}"] = value
+    return scalars
 
 
 def run(config: Config) -> dict:
@@ -551,7 +613,7 @@ def run(config: Config) -> dict:
     check_output_dir(accelerator, config.output.output_dir, fresh=not resume_requested(config))
     world = accelerator.num_processes
     phases = [p for p in PHASES if not getattr(config.training, f"skip_{p}")]
-    resume = resume_point(config)
+    resume = resume_point(accelerator, config)
     identity = run_identity(config, world)
     state = read_state(resume, identity) if resume else TrainingState(identity=identity)
     if resume:
@@ -591,6 +653,9 @@ def run(config: Config) -> dict:
             continue  # finished before the checkpoint; its figures are in the checkpoint's results
         loader = phase_loader(config, model.student, data, teacher, phase, world)
         settings = phase_settings(config, phase, world, dims, basis)
+        evaluations = None
+        if evaluation is not None:
+            evaluations = PhaseEvaluation(accelerator, config, evaluation, dims, phase, state, output_dir)
         try:
             model = train_phase(
                 accelerator,
@@ -600,11 +665,12 @@ def run(config: Config) -> dict:
                 state,
                 checkpoints,
                 resume if resume is not None and phase == state.phase else None,
-                periodic_evaluation(accelerator, config, evaluation, dims, phase, results, output_dir),
+                evaluations.periodic if evaluations is not None else None,
                 config.checkpoint.eval_steps,
             )
         except torch.OutOfMemoryError as e:  # evaluation halves its batches itself: this is a training step
-            raise OutOfMemory(training_memory_message(config, phase, state, accelerator.mixed_precision, e)) from None
+            message = training_memory_message(config, phase, state, accelerator.mixed_precision, e)
+            raise OutOfMemory(message) from None
         resume = None
         release_freed_memory()
         results["phases"][phase] = {
@@ -616,9 +682,11 @@ def run(config: Config) -> dict:
             "final_loss": state.losses[-1] if state.losses else None,
             "losses": list(state.losses),
         }
-        if evaluation is not None:
+        if evaluations is not None:
             key = "after_phase1" if phase == "phase1" and len(phases) == 2 else "student_after"
-            results[key] = evaluate_student(accelerator, model, evaluation, eval_batch, dims)
+            results[key] = evaluations.final(model, state.optimizer_steps)
+    if evaluation is not None:  # the evaluation rows, once, at the run's last step
+        accelerator.log(tracked_results(results), step=state.global_step())
     results["teacher_loaded"] = teacher.loaded
     results["teacher_load_seconds"] = round(teacher.load_seconds, 3)
     results["teacher_seconds_evaluation"] = round(teacher.seconds["evaluation"], 3)
@@ -681,6 +749,8 @@ def main(argv: list[str] | None = None) -> int:
         elif e.every_rank:  # its own problem; on a line of its own, not after rank 0's progress bar
             print(f"\nerror: {e}", file=sys.stderr)
         return 2
+    finally:
+        release_stop_signals()  # training is over: Ctrl-C interrupts at once again
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import math
+import os
 import signal
 import sys
 import threading
@@ -283,17 +284,19 @@ def phase_loss(
     return loss, (alignment + similarity).detach()
 
 
-def batch_verdict(accelerator: Accelerator, reported: torch.Tensor, stop: bool) -> tuple[float, bool]:
-    """(the batch's loss averaged over all ranks, whether any rank was asked to stop): one collective, one host read.
+def batch_verdict(
+    accelerator: Accelerator, reported: torch.Tensor, stops: tuple[bool, bool]
+) -> tuple[float, tuple[bool, bool]]:
+    """(the batch's loss averaged over all ranks, (whether any rank got SIGTERM, whether any got SIGINT)).
 
-    Called once backward is queued, so a GPU runs the backward pass while the host waits for the loss, and the
-    optimizer step is still to come, so a non-finite loss can stop the run with the weights intact. The stop
-    flag travels in the same reduction, so a step costs one blocking collective, not two.
+    One collective, one host read. Called once backward is queued, so a GPU runs the backward pass while the host
+    waits for the loss, and the optimizer step is still to come, so a non-finite loss can stop the run with the
+    weights intact. The stop flags travel in the same reduction, so a step costs one blocking collective, not two.
     """
     reported = reported.detach().float().reshape(1)
-    flags = torch.cat([reported, reported.new_full((1,), float(stop))])  # made on the device: no copy, no wait
-    total, stops = accelerator.reduce(flags, reduction="sum").tolist()
-    return total / accelerator.num_processes, stops > 0
+    flags = torch.cat([reported, *(reported.new_full((1,), float(s)) for s in stops)])  # made on the device: no copy
+    total, terminated, interrupted = accelerator.reduce(flags, reduction="sum").tolist()
+    return total / accelerator.num_processes, (terminated > 0, interrupted > 0)
 
 
 @dataclass
@@ -312,24 +315,58 @@ class TrainingStopped(DistillError):
 
 
 class _Preemption:
-    """SIGTERM sets a flag; the loop turns it into a collective decision at the next optimizer step.
+    """SIGTERM and a first SIGINT (Ctrl-C) set a flag; the loop turns it into a collective decision at the next step.
 
-    The handler stays once the first phase installs it, and installing it again keeps the flag: a SIGTERM that
-    comes between the phases (during phase 2's teacher encoding, say) stops the run at phase 2's first step.
-    The stop that acts on the flag clears it.
+    The handlers stay once the first phase installs them, and installing them again keeps the flags: a signal that
+    comes between the phases (during the end-of-phase evaluation, say) stops the run at phase 2's first step. The
+    stop that acts on a flag clears it. A first SIGINT puts Python's own handler back, so a second one interrupts
+    at once (KeyboardInterrupt); `release` puts back the SIGINT handler found at install, once training is over.
     """
 
-    requested = False
+    requested = False  # SIGTERM
+    interrupted = False  # SIGINT
+    _sigint_before: object = None  # the SIGINT handler install found
 
     @classmethod
     def install(cls) -> None:
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) != cls._handle:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) != cls._handle:
             cls.requested = False
             signal.signal(signal.SIGTERM, cls._handle)
+        before = signal.getsignal(signal.SIGINT)
+        # not when Ctrl-C came already (a second one interrupts), nor where SIGINT is ignored (nohup, `cmd &`)
+        if before not in (cls._interrupt, signal.SIG_IGN) and not cls.interrupted:
+            cls._sigint_before = before
+            signal.signal(signal.SIGINT, cls._interrupt)
+
+    @classmethod
+    def release(cls) -> None:
+        """Ctrl-C interrupts at once again, and a SIGINT no step acted on is forgotten."""
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) == cls._interrupt:
+            signal.signal(signal.SIGINT, cls._previous_sigint())
+        cls.interrupted = False
+
+    @classmethod
+    def _previous_sigint(cls) -> object:
+        before = cls._sigint_before
+        return before if callable(before) else signal.default_int_handler  # SIG_DFL or None: KeyboardInterrupt
 
     @classmethod
     def _handle(cls, signum: int, frame: object) -> None:
         cls.requested = True
+
+    @classmethod
+    def _interrupt(cls, signum: int, frame: object) -> None:
+        cls.interrupted = True
+        signal.signal(signal.SIGINT, cls._previous_sigint())  # a second Ctrl-C: at once
+        if os.environ.get("RANK", "0") == "0":  # os.write: print is not safe in a signal handler
+            os.write(2, b"\ndistill: Ctrl-C: stopping with a checkpoint after this step; Ctrl-C again stops at once\n")
+
+
+def release_stop_signals() -> None:
+    """Once training is over: Ctrl-C interrupts at once again (SIGTERM keeps being noted, as it was)."""
+    _Preemption.release()
 
 
 def _section(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -384,6 +421,9 @@ def train_phase(
         extra |= {f"average.{k}": v for k, v in average.state_dict().items()}
         return save_checkpoint(accelerator, checkpoints.output_dir, state, checkpoints.limit, extra)
 
+    def evaluation_due() -> bool:
+        return evaluate is not None and eval_steps > 0 and state.optimizer_steps % eval_steps == 0
+
     if resume is not None:
         extra = load_checkpoint(accelerator, resume)
         memory.load_state_dict(_section(extra, "memory."), accelerator.device)
@@ -391,6 +431,7 @@ def train_phase(
         accelerator.step = state.accelerator_step  # keeps gradient-accumulation windows where they were
     else:
         state.start_phase(settings.name)
+    steps_before = state.global_step() - state.optimizer_steps  # earlier phases' steps: the trackers' x axis goes on
     _Preemption.install()
     wrapped.train()
     progress = tqdm(
@@ -401,9 +442,21 @@ def train_phase(
         dynamic_ncols=True,
     )
     window_losses: list[float] = []
-    stop_requested = False
+    terminated = interrupted = False
     window_start = state.batches_done  # batches done at the last optimizer step: where a resume restarts
-    started = time.perf_counter() - state.train_seconds
+    window_samples = state.train_samples  # likewise the samples
+    started = time.perf_counter() - state.train_seconds  # moved on by evaluations and checkpoints: not training time
+
+    def outside_training_time(action: Callable[[], object]) -> None:
+        nonlocal started
+        before = time.perf_counter()
+        action()
+        started += time.perf_counter() - before
+
+    if state.evaluation_pending:  # stopped at an evaluation step before evaluating: that evaluation comes first
+        state.evaluation_pending = False
+        if evaluate is not None:
+            outside_training_time(lambda: evaluate(average.model(plain), state.optimizer_steps))
     try:  # the bar ends its line before any error is printed, not glued to it
         for epoch in range(state.epoch, settings.epochs):
             state.epoch = epoch
@@ -418,10 +471,11 @@ def train_phase(
                 with accelerator.accumulate(wrapped):
                     loss, reported = phase_loss(accelerator, wrapped, batch, settings, memory)
                     accelerator.backward(loss)
-                    global_loss, stop = batch_verdict(accelerator, reported, _Preemption.requested)
-                    stop_requested = stop_requested or stop
+                    signals = (_Preemption.requested, _Preemption.interrupted)
+                    global_loss, (term, intr) = batch_verdict(accelerator, reported, signals)
+                    terminated, interrupted = terminated or term, interrupted or intr
                     if not math.isfinite(global_loss):  # before the optimizer step: the weights are still good
-                        state.batches_done = window_start
+                        state.batches_done, state.train_samples = window_start, window_samples
                         path = checkpoint()
                         raise TrainingStopped(
                             f"non-finite loss ({global_loss}) in {settings.name} at optimizer step "
@@ -443,26 +497,32 @@ def train_phase(
                 average.update(plain)
                 mean_loss = sum(window_losses) / len(window_losses)
                 window_losses.clear()
-                window_start = state.batches_done
+                window_start, window_samples = state.batches_done, state.train_samples
                 state.optimizer_steps += 1
                 state.accelerator_step = accelerator.step
                 state.losses.append(mean_loss)
                 state.train_seconds = time.perf_counter() - started
                 progress.update(1)
                 progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}", refresh=False)
-                accelerator.log({f"{settings.name}/loss": mean_loss, f"{settings.name}/lr": scheduler.get_last_lr()[0]})
-                if stop_requested:  # decided collectively (batch_verdict): every rank stops at the same step
-                    _Preemption.requested = False
+                accelerator.log(
+                    {f"{settings.name}/loss": mean_loss, f"{settings.name}/lr": scheduler.get_last_lr()[0]},
+                    step=steps_before + state.optimizer_steps,
+                )
+                if terminated or interrupted:  # decided collectively (batch_verdict): every rank stops at the same step
+                    name, code = ("SIGTERM", 143) if terminated else ("SIGINT", 130)
+                    _Preemption.requested = _Preemption.interrupted = False
+                    # this step's evaluation is left to the resumed run: a preemption's grace period is short
+                    state.evaluation_pending = evaluation_due()
                     path = checkpoint()
                     raise TrainingStopped(
-                        f"stopped by SIGTERM in {settings.name} at optimizer step {state.optimizer_steps}; checkpoint "
+                        f"stopped by {name} in {settings.name} at optimizer step {state.optimizer_steps}; checkpoint "
                         f"saved to {path}; continue with --resume_from_checkpoint latest",
-                        exit_code=143,
+                        exit_code=code,
                     )
-                if evaluate is not None and eval_steps and state.optimizer_steps % eval_steps == 0:
-                    evaluate(average.model(plain), state.optimizer_steps)  # collective: all ranks
+                if evaluation_due():
+                    outside_training_time(lambda: evaluate(average.model(plain), state.optimizer_steps))  # all ranks
                 if checkpoints.every and state.optimizer_steps % checkpoints.every == 0:
-                    checkpoint()
+                    outside_training_time(checkpoint)
                 if TRIM_EVERY and accelerator.device.type == "cpu" and state.optimizer_steps % TRIM_EVERY == 0:
                     release_freed_memory()
             state.batches_done = window_start = 0

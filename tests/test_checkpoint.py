@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_run_flags
+from conftest import reset_accelerate, tiny_run_flags
 from distill.checkpoint import TrainingState, find_checkpoint, list_checkpoints, read_state
 from distill.errors import DistillError
 
@@ -189,7 +190,7 @@ def test_a_sigterm_between_phases_is_kept_for_the_next_phase():
     """Each phase installs the handler; a SIGTERM caught before phase 2's loop (its teacher encoding) still counts."""
     from distill.training import _Preemption
 
-    before = signal.getsignal(signal.SIGTERM)
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:
         _Preemption.install()
         assert not _Preemption.requested
@@ -199,27 +200,58 @@ def test_a_sigterm_between_phases_is_kept_for_the_next_phase():
         _Preemption.install()  # the next phase
         assert _Preemption.requested
     finally:
-        signal.signal(signal.SIGTERM, before)
+        signal.signal(signal.SIGTERM, before[0])
+        signal.signal(signal.SIGINT, before[1])  # install took Ctrl-C too
         _Preemption.requested = False
 
 
+def test_a_first_sigint_is_noted_and_a_second_interrupts_at_once():
+    """Ctrl-C once: a flag, like SIGTERM, and Python's handler is back; again: KeyboardInterrupt. `release` (training
+    over) restores the handler found at install."""
+    from distill.training import _Preemption, release_stop_signals
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        _Preemption.install()
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)  # Python runs the handler at its next check
+        assert _Preemption.interrupted and not _Preemption.requested
+        _Preemption.install()  # the next phase: the flag stays, and so does the immediate second Ctrl-C
+        assert _Preemption.interrupted
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+        _Preemption.install()
+        release_stop_signals()
+        assert not _Preemption.interrupted and signal.getsignal(signal.SIGINT) == before[0]
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
+        _Preemption.requested = _Preemption.interrupted = False
+
+
 @pytest.mark.multiprocess
-def test_sigterm_saves_a_checkpoint_and_exits_then_latest_continues(reference, tiny_models, tiny_data, tmp_path):
+@pytest.mark.parametrize(("stop", "exit_code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["TERM", "INT"])
+def test_sigterm_saves_a_checkpoint_and_exits_then_latest_continues(
+    stop, exit_code, reference, tiny_models, tiny_data, tmp_path
+):
+    """SIGTERM (preemption) and a first Ctrl-C alike: finish the step, write a checkpoint, exit 143 / 130."""
     out = tmp_path / "preempted"
     argv = flags(tiny_models, tiny_data, out, tmp_path / "cache")
     process = start(command(1, argv))
     wait_for_checkpoint(out, "phase1", process)
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(stop)
     _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 143
-    assert "stopped by SIGTERM in phase" in stderr and "--resume_from_checkpoint latest" in stderr
+    assert process.returncode == exit_code, stderr[-3000:]
+    assert f"stopped by {stop.name} in phase" in stderr and "--resume_from_checkpoint latest" in stderr
     finish(command(1, [*argv, "--resume_from_checkpoint", "latest"]))
     assert max_difference(weights(out), reference[1]) <= 1e-6
 
 
 @pytest.mark.multiprocess
-def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(reference, tiny_models, tiny_data, tmp_path):
-    """The stop flag travels in the per-batch loss reduction: rank 0 stops too, and the checkpoint resumes."""
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(stop, reference, tiny_models, tiny_data, tmp_path):
+    """The stop flags travel in the per-batch loss reduction: rank 0 stops too, and the checkpoint resumes."""
     out = tmp_path / "preempted-rank"
     argv = flags(tiny_models, tiny_data, out, tmp_path / "cache")
     process = start(command(2, argv))
@@ -227,10 +259,10 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(reference, tiny_m
     workers = training_processes(process)
     assert len(workers) == 2
     before = set(list_checkpoints(out / "checkpoints"))
-    workers[-1].send_signal(signal.SIGTERM)  # one rank only; the launcher and the other rank get nothing
+    workers[-1].send_signal(stop)  # one rank only; the launcher and the other rank get nothing
     _, stderr = process.communicate(timeout=300)
     assert process.returncode != 0
-    assert "stopped by SIGTERM in phase" in stderr  # printed by rank 0 only: it stopped too
+    assert f"stopped by {stop.name} in phase" in stderr  # printed by rank 0 only: it stopped too
     saved = [p for p in list_checkpoints(out / "checkpoints") if p not in before]
     assert saved, "no checkpoint was written on the way out"
     assert not (out / "results.json").exists()
@@ -383,3 +415,120 @@ def test_a_fresh_run_refuses_an_output_dir_with_an_earlier_runs_checkpoints(tiny
     assert "holds checkpoints of an earlier run (checkpoint-phase2-0000012, ...)" in message
     assert "--resume_from_checkpoint latest" in message
     assert (earlier / "state.json").is_file() and not (out / "results.json").exists()
+
+
+def signal_at_call(monkeypatch: pytest.MonkeyPatch, call: int, make) -> None:  # noqa: ANN001
+    """Wrap the phase loss so that its `call`-th call (a micro-batch) does `make(loss, reported)` first."""
+    import distill.training
+
+    calls = [0]
+    phase_loss = distill.training.phase_loss
+
+    def wrapped(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls[0] += 1
+        loss, reported = phase_loss(*args, **kwargs)
+        return make(loss, reported) if calls[0] == call else (loss, reported)
+
+    monkeypatch.setattr(distill.training, "phase_loss", wrapped)
+
+
+def short_run_flags(tiny_models, tiny_data, out: Path, cache: Path, **extra) -> list[str]:  # noqa: ANN001
+    """Phase 1 only, 6 optimizer steps, evaluated every 2, the best model kept."""
+    settings = dict(skip_phase2=True, max_samples_phase1=48, eval_steps=2, keep_best=True, teacher_cache_dir=cache)
+    return tiny_run_flags(tiny_models, tiny_data, out, **{**settings, **extra})
+
+
+@pytest.fixture(scope="module")
+def evaluated_run(tiny_models, tiny_data, tmp_path_factory) -> Path:
+    from distill.train import main
+
+    root = tmp_path_factory.mktemp("evaluated")
+    assert main(short_run_flags(tiny_models, tiny_data, root / "run", root / "cache")) == 0
+    reset_accelerate()
+    return root / "run"
+
+
+@pytest.mark.parametrize(("stop", "exit_code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["TERM", "INT"])
+def test_a_stop_on_an_evaluation_step_leaves_that_evaluation_to_the_resume(
+    stop, exit_code, evaluated_run, tiny_models, tiny_data, tmp_path, monkeypatch, capsys
+):
+    """Stopped at step 4 of 6 (evaluated every 2) by SIGTERM or a Ctrl-C: the checkpoint marks step 4's evaluation
+    as pending, and the resumed run's evaluations are the uninterrupted run's."""
+    from distill.train import main
+    from distill.training import _Preemption
+
+    out = tmp_path / "stopped"
+    argv = short_run_flags(tiny_models, tiny_data, out, evaluated_run.parent / "cache")
+
+    def send(loss, reported):  # noqa: ANN001, ANN202
+        os.kill(os.getpid(), stop)
+        return loss, reported
+
+    signal_at_call(monkeypatch, 4, send)
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        assert main(argv) == exit_code
+    finally:
+        signal.signal(signal.SIGTERM, before[1])
+        _Preemption.requested = False
+    assert signal.getsignal(signal.SIGINT) == before[0]  # training is over: Ctrl-C interrupts at once again
+    assert f"stopped by {stop.name} in phase1 at optimizer step 4;" in capsys.readouterr().err
+    checkpoint = find_checkpoint(out, "latest")
+    state = read_state(checkpoint, {})
+    assert checkpoint.name == "checkpoint-phase1-0000004" and state.evaluation_pending
+    assert [h["step"] for h in state.results["evaluations"]["phase1"]] == [2]
+    monkeypatch.undo()
+    reset_accelerate()
+    assert main([*argv, "--resume_from_checkpoint", "latest"]) == 0
+    history = json.loads((out / "results.json").read_text())["evaluations"]["phase1"]
+    expected = json.loads((evaluated_run / "results.json").read_text())["evaluations"]["phase1"]
+    assert [h["step"] for h in history] == [h["step"] for h in expected] == [2, 4, 6]
+    for got, want in zip(history, expected):
+        assert got == pytest.approx(want, abs=1e-5)
+    cards = [(run / "best" / "phase1" / "model" / "README.md").read_text() for run in (out, evaluated_run)]
+    kept = [re.search(r"best of phase1[^:]*", card).group() for card in cards]
+    assert kept[0] == kept[1]  # the same step's model is kept
+
+
+def test_a_non_finite_loss_mid_window_rolls_back_the_windows_samples_too(tiny_models, tiny_data, tmp_path, monkeypatch):
+    """Accumulating 2 micro-batches a step, the 2nd micro-batch of step 2 is not finite: the checkpoint holds step 1's
+    counts (2 micro-batches, 16 samples), not the half-done window's."""
+    from distill.train import main
+
+    out = tmp_path / "nan"
+    argv = short_run_flags(
+        tiny_models, tiny_data, out, tmp_path / "cache", gradient_accumulation_steps=2, eval_data="none"
+    )
+    signal_at_call(monkeypatch, 4, lambda loss, reported: (loss * float("nan"), reported * float("nan")))
+    assert main(argv) == 3
+    state = read_state(find_checkpoint(out, "latest"), {})
+    assert (state.optimizer_steps, state.batches_done, state.train_samples) == (1, 2, 16)
+
+
+def test_every_rank_resumes_from_the_checkpoint_the_main_process_found(tmp_path, monkeypatch):
+    """`latest` is resolved on the main process only and broadcast: another rank never looks for itself."""
+    from types import SimpleNamespace
+
+    import distill.train
+    from distill.config import build_config
+
+    root = tmp_path / "checkpoints"
+    for name in ("checkpoint-phase1-0000003", "checkpoint-phase1-0000006"):
+        (root / name).mkdir(parents=True)
+        (root / name / "state.json").write_text("{}")
+    config = build_config({"output_dir": str(tmp_path), "resume_from_checkpoint": "latest", "log_with": "none"})
+    sent = []
+    monkeypatch.setattr(distill.train, "broadcast_object_list", lambda found: sent.append(list(found)))
+    main_process = SimpleNamespace(is_main_process=True, num_processes=2)
+    assert distill.train.resume_point(main_process, config) == root / "checkpoint-phase1-0000006"
+    assert sent == [[(str(root / "checkpoint-phase1-0000006"), None)]]
+
+    def receive(found: list) -> None:  # what the main process sent, whatever this rank would find
+        found[0] = (str(root / "checkpoint-phase1-0000003"), None)
+
+    monkeypatch.setattr(distill.train, "broadcast_object_list", receive)
+    other_rank = SimpleNamespace(is_main_process=False, num_processes=2)
+    assert distill.train.resume_point(other_rank, config) == root / "checkpoint-phase1-0000003"
+    monkeypatch.setattr(distill.train, "broadcast_object_list", lambda found: found.__setitem__(0, (None, "bad")))
+    with pytest.raises(DistillError, match="^bad$"):  # the main process's error, on every rank
+        distill.train.resume_point(other_rank, config)

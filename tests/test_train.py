@@ -279,6 +279,105 @@ def test_eval_steps_log_mid_phase_and_keep_the_best_model(tiny_models, tiny_data
     assert "| phase1 | 4 |" in report and "| phase2 | 4 |" in report
 
 
+def short_evaluated_flags(tiny_models, tiny_data, out: Path, **options) -> list[str]:  # noqa: ANN001
+    """A short run: 6 optimizer steps a phase (48 texts, 48 pairs; batch 8)."""
+    return tiny_run_flags(tiny_models, tiny_data, out, max_samples_phase1=48, max_samples_phase2=48, **options)
+
+
+def rising_ndcg(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """Each student evaluation scores a higher nDCG@10 than the last (the real metrics otherwise); returns them all."""
+    import distill.train
+
+    made = []
+    evaluate = distill.train.evaluate_student
+
+    def rising(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        metrics = {**evaluate(*args, **kwargs), "ndcg@10": float(len(made))}
+        made.append(metrics)
+        return metrics
+
+    monkeypatch.setattr(distill.train, "evaluate_student", rising)
+    return made
+
+
+def test_keep_best_weighs_the_end_of_phase_model_too(tiny_models, tiny_data, tmp_path, monkeypatch):
+    """6 steps a phase, evaluated every 4: the model each phase ends (and is exported) with is compared as well; with
+    every 3, the end of the phase is step 6's evaluation, which is not made twice."""
+    made = rising_ndcg(monkeypatch)
+    out = tmp_path / "every4"
+    assert main(short_evaluated_flags(tiny_models, tiny_data, out, eval_steps=4, keep_best=True)) == 0
+    results = results_of(out)
+    assert [results["phases"][p]["optimizer_steps"] for p in ("phase1", "phase2")] == [6, 6]
+    assert len(made) == 5  # before, then per phase: step 4 and the end
+    assert results["after_phase1"]["ndcg@10"] == 2.0 and results["student_after"]["ndcg@10"] == 4.0
+    for phase in ("phase1", "phase2"):
+        card = (out / "best" / phase / "model" / "README.md").read_text()
+        assert f"best of {phase}: its end, optimizer step 6" in card
+    made.clear()
+    reset_accelerate()
+    out = tmp_path / "every3"
+    assert main(short_evaluated_flags(tiny_models, tiny_data, out, eval_steps=3, keep_best=True, skip_phase2=True)) == 0
+    results = results_of(out)
+    assert len(made) == 3  # before, step 3, step 6 (the end)
+    assert results["student_after"]["ndcg@10"] == results["evaluations"]["phase1"][-1]["ndcg@10"] == 2.0
+    assert "best of phase1 at optimizer step 6" in (out / "best" / "phase1" / "model" / "README.md").read_text()
+
+
+def test_trackers_get_the_runs_optimizer_step_and_the_final_metrics(tiny_models, tiny_data, tmp_path):
+    """Every line of metrics.jsonl has the run's optimizer step, counted on from phase 1 into phase 2; the evaluation
+    rows of results.json come last, once, at the last step."""
+    out = tmp_path / "tracked"
+    assert main(short_evaluated_flags(tiny_models, tiny_data, out, eval_steps=4, log_with="jsonl")) == 0
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert "config" in lines[0] and all("config" not in line for line in lines[1:])
+    steps = {
+        key: [line["step"] for line in lines[1:] if key in line["values"]]
+        for key in ("phase1/loss", "phase2/loss", "phase1/eval/ndcg@10", "phase2/eval/ndcg@10", "student_after/ndcg@10")
+    }
+    assert steps == {
+        "phase1/loss": [1, 2, 3, 4, 5, 6],
+        "phase2/loss": [7, 8, 9, 10, 11, 12],
+        "phase1/eval/ndcg@10": [4],
+        "phase2/eval/ndcg@10": [10],
+        "student_after/ndcg@10": [12],
+    }
+    results, final = results_of(out), lines[-1]["values"]
+    for row in ("teacher", "student_before", "after_phase1", "student_after"):
+        assert final[f"{row}/ndcg@10"] == results[row]["ndcg@10"]
+
+
+def test_train_seconds_leave_out_evaluations_and_checkpoints(tiny_models, tiny_data, tmp_path, monkeypatch):
+    """An evaluation and a checkpoint every 2 of 6 steps, each made 1 s slower: that time is not training time.
+
+    (The 6 steps themselves take about 0.1 s; a step after a pause is slower, its threads cold, so the bound is
+    half the pauses rather than nothing.)
+    """
+    import time
+
+    import distill.train
+    import distill.training
+
+    pauses = []
+
+    def slower(real):  # noqa: ANN001, ANN202
+        def slow(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            time.sleep(1.0)
+            pauses.append(1.0)
+            return real(*args, **kwargs)
+
+        return slow
+
+    monkeypatch.setattr(distill.train, "evaluate_student", slower(distill.train.evaluate_student))
+    monkeypatch.setattr(distill.training, "save_checkpoint", slower(distill.training.save_checkpoint))
+    out = tmp_path / "timed"
+    flags = short_evaluated_flags(tiny_models, tiny_data, out, eval_steps=2, checkpoint_steps=2, skip_phase2=True)
+    assert main(flags) == 0
+    stats = results_of(out)["phases"]["phase1"]
+    in_training = sum(pauses) - 1.0  # less the evaluation before training (step 6's is the end-of-phase one)
+    assert stats["optimizer_steps"] == 6 and in_training == 6.0  # steps 2, 4, 6: 3 evaluations, 3 checkpoints
+    assert stats["train_seconds"] < in_training / 2, stats["train_seconds"]
+
+
 def test_mined_hard_negatives_join_phase_two_without_re_encoding(tiny_models, tiny_data, tmp_path):
     out = tmp_path / "mined"
     pairs = tmp_path / "pairs.jsonl"  # the tiny pairs without their negative column
