@@ -539,18 +539,7 @@ def test_two_processes_continue_what_one_process_began(
     cache_dir = tmp_path / "cache"
     texts = killed_after_two_blocks(accelerator, tiny_models, cache_dir, monkeypatch)
     (tmp_path / "texts.json").write_text(json.dumps(texts))
-    (tmp_path / "driver.py").write_text(CONTINUE_ON_TWO_PROCESSES)
-    repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", ACCELERATE_USE_CPU="true", PYTHONPATH=str(repo))
-    args = [str(tiny_models["teacher"]), str(cache_dir), str(tmp_path / "texts.json"), str(tmp_path / "seen")]
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(tmp_path / "driver.py"), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_on_two_processes(CONTINUE_ON_TWO_PROCESSES, tiny_models["teacher"], cache_dir, tmp_path)
     for rank in (0, 1):  # 21 texts left, in blocks of 4 per process
         assert json.loads((tmp_path / f"seen.{rank}").read_text()) == [2, [8, 8, 5]]
     cache = make_cache(accelerator, tiny_models["teacher"], cache_dir)
@@ -747,20 +736,25 @@ def test_one_machine_without_the_entry_does_not_hang_the_others(
     texts = sentences(10, seed=4)
     make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache").embeddings(texts, "document")
     (tmp_path / "texts.json").write_text(json.dumps(texts))
-    (tmp_path / "driver.py").write_text(ONE_MACHINE_LACKS_THE_ENTRY)
-    repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", ACCELERATE_USE_CPU="true", PYTHONPATH=str(repo))
-    args = [str(tiny_models["teacher"]), str(tmp_path / "cache"), str(tmp_path / "texts.json"), str(tmp_path / "seen")]
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(tmp_path / "driver.py"), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_on_two_processes(ONE_MACHINE_LACKS_THE_ENTRY, tiny_models["teacher"], tmp_path / "cache", tmp_path)
     seen = [json.loads((tmp_path / f"seen.{rank}").read_text()) for rank in (0, 1)]
     assert [loaded for loaded, _ in seen] == [True, True]  # both encoded, together
     expected = reference_embeddings(tiny_models["teacher"], texts)
     for _, vectors in seen:
         np.testing.assert_allclose(np.asarray(vectors, dtype=np.float32), expected, atol=2e-3)
+
+
+def run_on_two_processes(driver: str, teacher: Path, cache_dir: Path, tmp_path: Path) -> None:
+    """Run `driver` (a script) under torchrun on 2 gloo processes with (teacher, cache, texts.json, seen prefix)."""
+    (tmp_path / "driver.py").write_text(driver)
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", ACCELERATE_USE_CPU="true", PYTHONPATH=str(repo))
+    args = [str(teacher), str(cache_dir), str(tmp_path / "texts.json"), str(tmp_path / "seen")]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(tmp_path / "driver.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
