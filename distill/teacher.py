@@ -206,7 +206,11 @@ class TeacherCache:
     def key(self, texts: list[str], role: Role) -> str:
         if self._model_key is None:
             memo = self.cache_dir.parent / f"{self.cache_dir.name}-fingerprints.json"  # beside the entries
-            self._model_key = model_fingerprint(self.spec.path, self.spec.revision, memo=memo)
+            if self.accelerator is None or self.accelerator.num_processes == 1:
+                self._model_key = model_fingerprint(self.spec.path, self.spec.revision, memo=memo)
+            else:  # collective: each machine's first process reads the weights, the others find its digests
+                with self.accelerator.local_main_process_first():
+                    self._model_key = model_fingerprint(self.spec.path, self.spec.revision, memo=memo)
         fields = {
             "format": CACHE_FORMAT,
             "model": self._model_key,

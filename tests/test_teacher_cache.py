@@ -703,16 +703,26 @@ def test_a_hit_needs_every_process_to_hit(
 
 
 ONE_MACHINE_LACKS_THE_ENTRY = """
-import json, sys
+import json, sys, time
 from datetime import timedelta
 from pathlib import Path
 from accelerate import Accelerator, InitProcessGroupKwargs
+import distill.hub as hub
 import distill.teacher as teacher_module
 from distill.config import ModelConfig
 
 model, cache_dir, texts_file, out = sys.argv[1:5]
 accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=40))])
-real_read, calls = teacher_module.read_entry, []
+real_read, calls, real_sha, hashed = teacher_module.read_entry, [], hub.file_sha256, []
+
+
+def file_sha256(path):  # slow on rank 0: without the wait, rank 1 would hash the files meanwhile
+    hashed.append(str(path))
+    time.sleep(0.5 if accelerator.process_index == 0 else 0)
+    return real_sha(path)
+
+
+hub.file_sha256 = file_sha256
 
 def read_entry(*args):
     calls.append(1)
@@ -724,7 +734,7 @@ teacher_module.read_entry = read_entry
 spec = teacher_module.TeacherSpec.from_config(ModelConfig(teacher_model=model), accelerator.device)
 cache = teacher_module.TeacherCache(accelerator, spec, cache_dir, batch_size=8)
 vectors = cache.embeddings(json.loads(Path(texts_file).read_text()), "document")
-Path(f"{out}.{accelerator.process_index}").write_text(json.dumps([cache.loaded, vectors.tolist()]))
+Path(f"{out}.{accelerator.process_index}").write_text(json.dumps([cache.loaded, vectors.tolist(), len(hashed)]))
 """
 
 
@@ -732,15 +742,21 @@ Path(f"{out}.{accelerator.process_index}").write_text(json.dumps([cache.loaded, 
 def test_one_machine_without_the_entry_does_not_hang_the_others(
     accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Rank 1 misses what rank 0 has: both encode (rank 0 rewrites its entry) instead of rank 0 leaving alone."""
+    """Rank 1 misses what rank 0 has: both encode (rank 0 rewrites its entry) instead of rank 0 leaving alone.
+
+    With no digests remembered, only the machine's first process reads the teacher's files to hash them.
+    """
     texts = sentences(10, seed=4)
     make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache").embeddings(texts, "document")
+    (tmp_path / "cache-fingerprints.json").unlink()
     (tmp_path / "texts.json").write_text(json.dumps(texts))
     run_on_two_processes(ONE_MACHINE_LACKS_THE_ENTRY, tiny_models["teacher"], tmp_path / "cache", tmp_path)
     seen = [json.loads((tmp_path / f"seen.{rank}").read_text()) for rank in (0, 1)]
-    assert [loaded for loaded, _ in seen] == [True, True]  # both encoded, together
+    assert [loaded for loaded, _, _ in seen] == [True, True]  # both encoded, together
+    hashed = [count for _, _, count in seen]
+    assert hashed[0] > 0 and hashed[1] == 0, hashed
     expected = reference_embeddings(tiny_models["teacher"], texts)
-    for _, vectors in seen:
+    for _, vectors, _ in seen:
         np.testing.assert_allclose(np.asarray(vectors, dtype=np.float32), expected, atol=2e-3)
 
 
