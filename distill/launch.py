@@ -118,8 +118,20 @@ def maybe_relaunch(num_processes: int | None, argv: list[str], accelerate_config
             file=sys.stderr,
         )
     command, env = relaunch_command(num_processes, argv, accelerate_config)
-    # if this process is killed, `accelerate launch` gets SIGTERM and passes it to its ranks (which checkpoint)
-    return subprocess.call(command, env=env, preexec_fn=arm_parent_death_signal)
+    # If this process is killed, `accelerate launch` gets SIGTERM and passes it to its ranks (which checkpoint).
+    # A Ctrl-C reaches `accelerate launch` too (same process group), which passes it on as SIGINT: this process
+    # only waits for it, rather than killing it on KeyboardInterrupt (its ranks would then stop as on SIGTERM).
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return subprocess.call(command, env=env, preexec_fn=_launcher_child)
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def _launcher_child() -> None:
+    """In the relaunched `accelerate launch`, before exec: parent-death signal armed, Ctrl-C not ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # an ignored signal would stay ignored across exec
+    arm_parent_death_signal()
 
 
 def join_group_of_this_attempt(timeout: timedelta) -> bool:

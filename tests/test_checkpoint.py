@@ -186,6 +186,31 @@ def test_a_killed_relaunching_process_takes_its_launcher_and_ranks_with_it(tiny_
     assert not (out / "results.json").exists(), "the run finished before it was killed"
 
 
+@pytest.mark.multiprocess
+def test_ctrl_c_on_a_relaunching_process_stops_its_ranks_as_sigint(tiny_models, tiny_data, tmp_path):
+    """A terminal's Ctrl-C goes to the foreground process group: the relaunching process and `accelerate launch`.
+
+    The relaunching process waits for the launcher instead of raising KeyboardInterrupt and killing it (whose
+    ranks then raced the launcher's SIGINT against the parent-death SIGTERM); the ranks checkpoint and say SIGINT.
+    """
+    out = tmp_path / "relaunched-ctrl-c"
+    process = start(
+        [sys.executable, "-m", "distill.train", *flags(tiny_models, tiny_data, out, tmp_path / "cache")]
+        + ["--num_processes", "2"]
+    )
+    wait_for_checkpoint(out, "phase1", process)
+    descendants = psutil.Process(process.pid).children(recursive=True)
+    before = set(list_checkpoints(out / "checkpoints"))
+    os.killpg(process.pid, signal.SIGINT)  # the group `start` made: this process and its `accelerate launch`
+    stderr, alive = outlived_by(process, descendants)
+    assert not alive, f"still running after Ctrl-C: {alive}"
+    assert "stopped by SIGINT in phase" in stderr, stderr[-3000:]
+    assert "stopped by SIGTERM" not in stderr
+    assert "KeyboardInterrupt" not in stderr, stderr[-3000:]  # the relaunching process waited, did not kill
+    assert set(list_checkpoints(out / "checkpoints")) - before, "no checkpoint was written on the way out"
+    assert not (out / "results.json").exists(), "the run finished before Ctrl-C"
+
+
 def test_a_sigterm_between_phases_is_kept_for_the_next_phase():
     """Each phase installs the handler; a SIGTERM caught before phase 2's loop (its teacher encoding) still counts."""
     from distill.training import _Preemption
