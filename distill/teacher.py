@@ -367,9 +367,11 @@ def mine_hard_negatives(
             "lower --mine_hard_negatives or give more pairs"
         )
     mined = np.zeros((len(queries), count), dtype=np.int64)
+    # the cache's float16 vectors are widened once, not once per chunk of queries (a full copy each time)
+    candidates = torch.from_numpy(np.asarray(passages, dtype=np.float32)).T
     for start in range(0, len(queries), chunk_size):
         q = torch.from_numpy(np.asarray(queries[start : start + chunk_size], dtype=np.float32))
-        scores = q @ torch.from_numpy(np.asarray(passages, dtype=np.float32)).T  # (chunk, passages)
+        scores = q @ candidates  # (chunk, passages)
         own = torch.arange(start, start + len(q))
         positive = scores[torch.arange(len(q)), own].clone()
         scores[torch.arange(len(q)), own] = float("-inf")
