@@ -179,7 +179,6 @@ class LengthGroupedBatchSampler:
         # With topics (a cluster label per sample), the groups sorted by length are the clusters instead of
         # random megabatches, so each batch holds one topic or two: harder in-batch negatives (TAS, below).
         self.topics = None if topics is None else np.asarray(topics)
-        self.topic_sizes = None if topics is None else np.unique(self.topics, return_counts=True)[1]
         self.epoch = 0
         self.drop_last = True  # every step has a full batch, so in-batch negatives and equivalence hold
 
@@ -190,22 +189,26 @@ class LengthGroupedBatchSampler:
         return len(self.lengths) // self.batch_size
 
     def __iter__(self) -> Iterator[list[int]]:
+        if not len(self):  # fewer samples than one batch
+            return
         rng = np.random.default_rng([self.seed, self.epoch])
-        order = rng.permutation(len(self.lengths))
+        # the samples beyond the last full batch are left out at random, before grouping: cut from the grouped
+        # stream, they would be the shortest of its last group, so the shortest texts would never be trained on
+        order = rng.permutation(len(self.lengths))[: len(self) * self.batch_size]
         if self.topics is None:
             groups = [order[start : start + self.megabatch] for start in range(0, len(order), self.megabatch)]
         else:  # each cluster's samples in this epoch's random order (a stable sort), the clusters in random order
-            clusters = np.split(order[np.argsort(self.topics[order], kind="stable")], np.cumsum(self.topic_sizes)[:-1])
+            by_topic = order[np.argsort(self.topics[order], kind="stable")]
+            labels = self.topics[by_topic]
+            clusters = np.split(by_topic, np.flatnonzero(labels[1:] != labels[:-1]) + 1)
             groups = [clusters[i] for i in rng.permutation(len(clusters))]
         # longest first inside each group; the groups end to end, cut into batches (clusters vary in size, so a
         # batch may straddle two; random megabatches are whole batches, so cutting them together changes nothing)
         stream = np.concatenate([g[np.argsort(-self.lengths[g], kind="stable")] for g in groups])
         batches = [stream[i : i + self.batch_size] for i in range(0, len(stream), self.batch_size)]
-        batches = [b for b in batches if len(b) == self.batch_size]
         order = rng.permutation(len(batches))  # groups themselves in random order,
-        if len(order):  # except that the widest batch comes first (see the class doc)
-            widest = int(np.argmax([self.lengths[batches[i]].max() for i in order]))
-            order[[0, widest]] = order[[widest, 0]]
+        widest = int(np.argmax([self.lengths[batches[i]].max() for i in order]))
+        order[[0, widest]] = order[[widest, 0]]  # except that the widest batch comes first (see the class doc)
         for index in order:
             yield batches[index].tolist()
 

@@ -179,6 +179,21 @@ def test_sampler_yields_full_batches_of_distinct_indices(count: int, batch_size:
         assert all(isinstance(i, int) and 0 <= i < count for i in flat)
 
 
+@pytest.mark.parametrize("with_topics", [False, True])
+def test_sampler_leaves_out_random_samples_not_the_shortest(with_topics: bool) -> None:
+    lengths = wide_lengths(1000, seed=7)  # 15 batches of 64 and 40 samples left out each epoch
+    topics = np.random.default_rng(7).integers(0, 8, size=1000) if with_topics else None
+    sampler = LengthGroupedBatchSampler(lengths, 64, seed=0, topics=topics)
+    seen = np.zeros(1000, dtype=int)
+    for epoch in range(20):
+        sampler.set_epoch(epoch)
+        for batch in sampler:
+            seen[batch] += 1
+    assert seen.min() >= 1  # every sample trained on in some epoch, the shortest ones too
+    shortest, longest = np.argsort(lengths, kind="stable")[:100], np.argsort(lengths, kind="stable")[-100:]
+    assert abs(seen[shortest].mean() - seen[longest].mean()) < 1.5  # of 20 epochs: no length left out more
+
+
 def test_sampler_groups_similar_lengths() -> None:
     lengths = wide_lengths(4096, seed=2)
     batches = list(LengthGroupedBatchSampler(lengths, 32, seed=0))
