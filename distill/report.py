@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 ROWS = ("teacher", "student_before", "after_phase1", "student_after")
-METRICS = ("ndcg@10", "mrr@10", "sts_spearman", "teacher_cosine", "ndcg@10_student_dim")
+METRICS = ("ndcg@10", "mrr@10", "sts_spearman", "teacher_cosine", "ndcg@10_student_dim", "ndcg@10_asymmetric")
 
 
 def results_table(results: dict) -> str:

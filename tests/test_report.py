@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from distill.errors import DistillError
-from distill.report import report_figure, report_markdown, write_report
+from distill.report import report_figure, report_markdown, results_table, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -125,3 +125,14 @@ def test_failed_write_leaves_nothing(tmp_path: Path) -> None:
         write_report(tmp_path, results())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.png"]
     assert not (tmp_path / "report.md").exists()
+
+
+def test_projection_metrics_reach_the_report_table() -> None:
+    """Projection mode's own rows (the student's dimension, the teacher-built index) are in report.md and the card."""
+    data = results(matryoshka=False)
+    for row, (own, asymmetric) in {"student_before": (0.44, 0.31), "student_after": (0.53, 0.47)}.items():
+        data[row] |= {"ndcg@10_student_dim": own, "ndcg@10_asymmetric": asymmetric}
+    text = report_markdown(data)
+    assert "| ndcg@10_student_dim |  | 0.4400 |  | 0.5300 |" in text  # no teacher or after_phase1 value here
+    assert "| ndcg@10_asymmetric |  | 0.3100 |  | 0.4700 |" in text
+    assert results_table(data) in text  # the table the model card and the console get
