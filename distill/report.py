@@ -244,15 +244,19 @@ def _plot_metrics(axes: Axes, results: dict) -> None:
         return
     width = 0.8 / len(rows)
     groups = np.arange(len(metrics))
-    top = 0.0
+    low = top = 0.0
     for i, row in enumerate(rows):
         present = [j for j, m in enumerate(metrics) if m in results[row]]
         values = [results[row][metrics[j]] for j in present]
         bars = axes.bar(groups[present] + (i - (len(rows) - 1) / 2) * width, values, width, label=ROW_LABELS[row])
         axes.bar_label(bars, fmt="%.3f", fontsize=8, rotation=90, padding=3)
-        top = max([top, *values])
+        low, top = min([low, *values]), max([top, *values])
     axes.set_xticks(groups, metrics)
-    axes.set_ylim(0, top * 1.35)  # room for the value labels and the legend above the bars
+    span = top - low
+    # room for the value labels and the legend above the bars, and below a negative one (an STS Spearman can be)
+    axes.set_ylim(low - 0.25 * span if low < 0 else 0, top + 0.35 * span)
+    if low < 0:
+        axes.axhline(0, color="0.3", linewidth=0.8)
     axes.grid(axis="y", alpha=0.3)
     axes.legend(loc="upper center", ncol=len(rows), fontsize=9, frameon=False)
 

@@ -136,3 +136,13 @@ def test_projection_metrics_reach_the_report_table() -> None:
     assert "| ndcg@10_student_dim |  | 0.4400 |  | 0.5300 |" in text  # no teacher or after_phase1 value here
     assert "| ndcg@10_asymmetric |  | 0.3100 |  | 0.4700 |" in text
     assert results_table(data) in text  # the table the model card and the console get
+
+
+def test_negative_metrics_are_drawn_below_zero() -> None:
+    """An untrained student's STS Spearman can be negative: its bar and label show below the axis, not cut off."""
+    data = results()
+    data["student_before"]["sts_spearman"] = -0.2
+    (axes,) = [a for a in report_figure(data).axes if a.get_title() == "(b) evaluation"]
+    bottom, top = axes.get_ylim()
+    assert bottom < -0.2 and top > 0.6
+    assert "-0.200" in [t.get_text() for t in axes.texts]
