@@ -141,7 +141,7 @@ def make_accelerator(config: Config) -> Accelerator:
         handlers.append(DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType(t.ddp_comm_hook)))
     names = [n.strip() for n in config.output.log_with.split(",") if n.strip() and n.strip() != "none"]
     return Accelerator(
-        log_with=resolve_trackers(names, config.output.output_dir) or None,
+        log_with=resolve_trackers(names, config.output.output_dir, resume_requested(config)) or None,
         project_dir=config.output.output_dir,
         mixed_precision=t.mixed_precision,
         gradient_accumulation_steps=t.gradient_accumulation_steps,
