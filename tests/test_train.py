@@ -313,6 +313,7 @@ def test_keep_best_weighs_the_end_of_phase_model_too(tiny_models, tiny_data, tmp
     for phase in ("phase1", "phase2"):
         card = (out / "best" / phase / "model" / "README.md").read_text()
         assert f"best of {phase}: its end, optimizer step 6" in card
+        assert "/student/st` (32-d, projected to the teacher's 48-d)." in card  # its dimensions, not "None-d"
     made.clear()
     reset_accelerate()
     out = tmp_path / "every3"
