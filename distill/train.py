@@ -699,7 +699,10 @@ def run(config: Config) -> dict:
     results["config"] = to_flat_dict(config)
     path = write_results(accelerator, output_dir, results)
     if accelerator.is_main_process:
-        write_report(output_dir, results)  # leaf writer: report.png and report.md
+        try:
+            write_report(output_dir, results)  # leaf writer: report.png and report.md
+        except Exception as e:  # the model and results.json are written: a failed figure must not fail the run
+            logger.warning(f"report not written ({type(e).__name__}: {e}); results.json holds every figure")
     accelerator.print(f"\n{table}\n\nresults: {path}")
     accelerator.wait_for_everyone()  # the group is torn down by all ranks together, not while rank 0 still writes
     accelerator.end_training()
