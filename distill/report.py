@@ -231,8 +231,10 @@ def _plot_losses(axes: Axes, phases: dict, evaluations: dict) -> None:
         ndcg_axes.tick_params(axis="y", colors="C3")
         handles.append(line)
         labels.append("nDCG@10 during training (right axis)")
-    # the loss falls to the bottom and nDCG@10 rises to the top: the middle right is free for the legend
-    axes.legend(handles, labels, loc="center right" if scores else "upper right", fontsize=9)
+    if scores:  # two curves on two scales leave no corner free: the legend goes under the x axis label
+        axes.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=len(labels), fontsize=9)
+    else:
+        axes.legend(handles, labels, loc="upper right", fontsize=9)
 
 
 def _plot_metrics(axes: Axes, results: dict) -> None:

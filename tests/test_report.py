@@ -146,3 +146,14 @@ def test_negative_metrics_are_drawn_below_zero() -> None:
     bottom, top = axes.get_ylim()
     assert bottom < -0.2 and top > 0.6
     assert "-0.200" in [t.get_text() for t in axes.texts]
+
+
+def test_the_loss_panels_legend_covers_no_curve_with_mid_phase_evaluations() -> None:
+    """Loss and nDCG@10 curves on two scales leave no free corner: the legend sits outside the plot, below it."""
+    data = results()
+    data["evaluations"] = {"phase1": [{"step": s, "ndcg@10": 0.4 + s / 400} for s in range(5, 41, 5)]}
+    figure = report_figure(data)
+    figure.canvas.draw()
+    axes = figure.axes[0]
+    legend, plot = axes.get_legend().get_window_extent(), axes.get_window_extent()
+    assert legend.y1 <= plot.y0  # wholly below the plotting area
