@@ -37,18 +37,31 @@ def deployable_model(model: DistillationModel):  # noqa: ANN201 - SentenceTransf
 
 
 def export_models(
-    accelerator: Accelerator, model: DistillationModel, artifacts_dir: str | os.PathLike, card: str
+    accelerator: Accelerator, model: DistillationModel, artifacts_dir: str | os.PathLike, settings: dict, table: str
 ) -> dict[str, str]:
-    """Write the exported model folder(s); returns {name: path}. Collective: every process must call it."""
+    """Write the exported model folder(s), each with its model card (`settings`, the evaluation `table`).
+
+    Returns {name: path}. Collective: every process must call it.
+    """
     root = Path(artifacts_dir).expanduser()
-    targets = {"model": (root / "model", deployable_model(model))}
-    if model.projection is not None:
-        targets["student"] = (root / "student", model.student)
+    student_dims = {"student": model.student_dim, "output": model.student_dim}
+    if model.projection is None:
+        targets = {"model": (root / "model", model.student, model_card(settings, table, student_dims))}
+    else:
+        output_dims = {"student": model.student_dim, "output": model.projection.out_features}
+        note = (
+            f"This folder is the student at its own {model.student_dim} dimensions, without the projection "
+            "(the folder `model` beside it has it): it scores as the `ndcg@10_student_dim` row."
+        )
+        targets = {
+            "model": (root / "model", deployable_model(model), model_card(settings, table, output_dims)),
+            "student": (root / "student", model.student, model_card(settings, table, student_dims, note)),
+        }
     if accelerator.is_main_process:
-        for path, sentence_transformer in targets.values():
+        for path, sentence_transformer, card in targets.values():
             save_atomic(sentence_transformer, path, card)
     accelerator.wait_for_everyone()
-    return {name: str(path) for name, (path, _) in targets.items()}
+    return {name: str(path) for name, (path, _, _) in targets.items()}
 
 
 def save_atomic(sentence_transformer, target: Path, card: str) -> None:  # noqa: ANN001
@@ -93,8 +106,8 @@ def no_prompts(sentence_transformer):  # noqa: ANN001, ANN201
         sentence_transformer.prompts, sentence_transformer.default_prompt_name = prompts, default
 
 
-def model_card(settings: dict, table: str, dims: dict[str, int]) -> str:
-    """A sentence-transformers model card: how the student was distilled and how it scores."""
+def model_card(settings: dict, table: str, dims: dict[str, int], note: str = "") -> str:
+    """A sentence-transformers model card: how the student was distilled (`note`: what the folder holds), its scores."""
     front = "\n".join(
         [
             "---",
@@ -117,7 +130,9 @@ def model_card(settings: dict, table: str, dims: dict[str, int]) -> str:
         f"Distilled with `distill` from teacher `{settings.get('teacher_model')}` into "
         f"`{settings.get('student_model')}` ({dims.get('student')}-d"
         + (f", projected to the teacher's {dims.get('output')}-d" if dims.get("output") != dims.get("student") else "")
-        + ").\n\n## Usage\n\n"
+        + ")."
+        + (f" {note}" if note else "")
+        + "\n\n## Usage\n\n"
         + usage
         + "\n## Evaluation\n\n"
         + table

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 ROWS = ("teacher", "student_before", "after_phase1", "student_after")
-METRICS = ("ndcg@10", "mrr@10", "sts_spearman", "teacher_cosine", "ndcg@10_student_dim")
+METRICS = ("ndcg@10", "mrr@10", "sts_spearman", "teacher_cosine", "ndcg@10_student_dim", "ndcg@10_asymmetric")
 
 
 def results_table(results: dict) -> str:
@@ -231,8 +231,10 @@ def _plot_losses(axes: Axes, phases: dict, evaluations: dict) -> None:
         ndcg_axes.tick_params(axis="y", colors="C3")
         handles.append(line)
         labels.append("nDCG@10 during training (right axis)")
-    # the loss falls to the bottom and nDCG@10 rises to the top: the middle right is free for the legend
-    axes.legend(handles, labels, loc="center right" if scores else "upper right", fontsize=9)
+    if scores:  # two curves on two scales leave no corner free: the legend goes under the x axis label
+        axes.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=len(labels), fontsize=9)
+    else:
+        axes.legend(handles, labels, loc="upper right", fontsize=9)
 
 
 def _plot_metrics(axes: Axes, results: dict) -> None:
@@ -244,15 +246,19 @@ def _plot_metrics(axes: Axes, results: dict) -> None:
         return
     width = 0.8 / len(rows)
     groups = np.arange(len(metrics))
-    top = 0.0
+    low = top = 0.0
     for i, row in enumerate(rows):
         present = [j for j, m in enumerate(metrics) if m in results[row]]
         values = [results[row][metrics[j]] for j in present]
         bars = axes.bar(groups[present] + (i - (len(rows) - 1) / 2) * width, values, width, label=ROW_LABELS[row])
         axes.bar_label(bars, fmt="%.3f", fontsize=8, rotation=90, padding=3)
-        top = max([top, *values])
+        low, top = min([low, *values]), max([top, *values])
     axes.set_xticks(groups, metrics)
-    axes.set_ylim(0, top * 1.35)  # room for the value labels and the legend above the bars
+    span = top - low
+    # room for the value labels and the legend above the bars, and below a negative one (an STS Spearman can be)
+    axes.set_ylim(low - 0.25 * span if low < 0 else 0, top + 0.35 * span)
+    if low < 0:
+        axes.axhline(0, color="0.3", linewidth=0.8)
     axes.grid(axis="y", alpha=0.3)
     axes.legend(loc="upper center", ncol=len(rows), fontsize=9, frameon=False)
 

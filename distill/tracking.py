@@ -27,8 +27,9 @@ TRACKER_NAMES = ("jsonl", *PACKAGES)
 class JsonlTracker(GeneralTracker):
     """Appends `<logging_dir>/metrics.jsonl`: `{"config": ...}` first, then `{"step", "time", "values"}` per log.
 
-    The file is opened in append mode, so a resumed run adds to the same file; a run (or resumed segment) writes
-    its `{"config": ...}` line only when it differs from the file's last one, so resuming does not repeat it. The
+    The file is opened in append mode, so a resumed run adds to the same file. A new run writes its
+    `{"config": ...}` line always, so a second run in the same folder starts visibly, even with the same settings; a
+    resumed segment (`resumed`) only when it differs from the file's last one, so resuming does not repeat it. The
     step is the run's optimizer step: lines a resumed run logs again (those after its checkpoint) repeat a step.
     Every line is flushed, so a crash loses nothing already logged.
     """
@@ -37,9 +38,10 @@ class JsonlTracker(GeneralTracker):
     requires_logging_directory = True
     main_process_only = True
 
-    def __init__(self, logging_dir: str | os.PathLike) -> None:
+    def __init__(self, logging_dir: str | os.PathLike, resumed: bool = False) -> None:
         super().__init__()
         self.path = Path(logging_dir) / METRICS_FILE
+        self.resumed = resumed
         self._file: IO[str] | None = None
 
     @property
@@ -54,7 +56,7 @@ class JsonlTracker(GeneralTracker):
 
     @on_main_process
     def store_init_configuration(self, values: dict) -> None:
-        if json.loads(json.dumps(values, default=_to_json)) != self._last_config():  # compared as read back
+        if not self.resumed or json.loads(json.dumps(values, default=_to_json)) != self._last_config():  # as read back
             self._write({"config": values})
 
     @on_main_process
@@ -100,8 +102,10 @@ def _to_json(value: Any) -> Any:
     return str(value)
 
 
-def resolve_trackers(names: list[str], output_dir: str | os.PathLike) -> list[GeneralTracker | str]:
-    """The Accelerator's `log_with` for tracker names from the config.
+def resolve_trackers(
+    names: list[str], output_dir: str | os.PathLike, resumed: bool = False
+) -> list[GeneralTracker | str]:
+    """The Accelerator's `log_with` for tracker names from the config (`resumed`: the run continues an earlier one).
 
     "jsonl" becomes a `JsonlTracker` writing `<output_dir>/metrics.jsonl`; "tensorboard" and "wandb" pass
     through as names once their package is known to be installed.
@@ -114,7 +118,7 @@ def resolve_trackers(names: list[str], output_dir: str | os.PathLike) -> list[Ge
         if name not in TRACKER_NAMES:
             raise DistillError(f"unknown tracker {name!r}; use one or more of: {', '.join(TRACKER_NAMES)}")
         if name == "jsonl":
-            resolved.append(JsonlTracker(output_dir))
+            resolved.append(JsonlTracker(output_dir, resumed))
             continue
         if not any(importlib.util.find_spec(package) for package in PACKAGES[name]):
             raise DistillError(f"tracker {name!r} needs the {name} package; run `pip install {name}` or drop it")

@@ -47,7 +47,7 @@ from distill.config import LEAVES, Config, dump_config, load_config, to_flat_dic
 from distill.data import DistillData, Pairs, load_data
 from distill.errors import DistillError, OutOfMemory, first_sentences, memory_message
 from distill.evaluation import EvalInputs, EvalVectors, encode_student, evaluate_student, evaluate_teacher
-from distill.export import export_models, model_card
+from distill.export import export_models
 from distill.hub import declared_dimension, resolve_model
 from distill.launch import current_world_size, join_group_of_this_attempt, maybe_relaunch, stop_with_the_launcher
 from distill.losses import LossWeights
@@ -141,7 +141,7 @@ def make_accelerator(config: Config) -> Accelerator:
         handlers.append(DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType(t.ddp_comm_hook)))
     names = [n.strip() for n in config.output.log_with.split(",") if n.strip() and n.strip() != "none"]
     return Accelerator(
-        log_with=resolve_trackers(names, config.output.output_dir) or None,
+        log_with=resolve_trackers(names, config.output.output_dir, resume_requested(config)) or None,
         project_dir=config.output.output_dir,
         mixed_precision=t.mixed_precision,
         gradient_accumulation_steps=t.gradient_accumulation_steps,
@@ -590,8 +590,9 @@ class PhaseEvaluation:
     def _keep_if_best(self, model: DistillationModel, metrics: dict, description: str) -> None:
         if self.keep_best and metrics["ndcg@10"] > self.best:
             self.best = metrics["ndcg@10"]
-            card = model_card(to_flat_dict(self.config), description, {})
-            export_models(self.accelerator, model, self.output_dir / "best" / self.phase, card)
+            export_models(
+                self.accelerator, model, self.output_dir / "best" / self.phase, to_flat_dict(self.config), description
+            )
 
 
 def tracked_results(results: dict) -> dict[str, float]:
@@ -692,13 +693,16 @@ def run(config: Config) -> dict:
     results["teacher_seconds_evaluation"] = round(teacher.seconds["evaluation"], 3)
     table = results_table(results) if evaluation is not None else "(no evaluation set)"
     if config.output.save_to_artifacts:
-        output_dim = teacher.dim if model.projection is not None else model.student_dim
-        card = model_card(to_flat_dict(config), table, {"student": model.student_dim, "output": output_dim})
-        results["exported"] = export_models(accelerator, model, config.output.artifacts_dir, card)
+        results["exported"] = export_models(
+            accelerator, model, config.output.artifacts_dir, to_flat_dict(config), table
+        )
     results["config"] = to_flat_dict(config)
     path = write_results(accelerator, output_dir, results)
     if accelerator.is_main_process:
-        write_report(output_dir, results)  # leaf writer: report.png and report.md
+        try:
+            write_report(output_dir, results)  # leaf writer: report.png and report.md
+        except Exception as e:  # the model and results.json are written: a failed figure must not fail the run
+            logger.warning(f"report not written ({type(e).__name__}: {e}); results.json holds every figure")
     accelerator.print(f"\n{table}\n\nresults: {path}")
     accelerator.wait_for_everyone()  # the group is torn down by all ranks together, not while rank 0 still writes
     accelerator.end_training()

@@ -13,7 +13,7 @@ from sentence_transformers import SentenceTransformer
 from conftest import sentences
 from distill import export
 from distill.errors import DistillError
-from distill.export import deployable_model, model_card, save_atomic
+from distill.export import deployable_model, export_models, model_card, save_atomic
 from distill.student import DistillationModel, least_squares_projection
 
 CARD = "---\nlibrary_name: sentence-transformers\n---\n# Distilled student\n\ntest card\n"
@@ -163,6 +163,28 @@ def test_model_card_mentions_models_table_and_settings() -> None:
     assert '"batch_size": 8' in card
     same = model_card({}, "", {"student": 32, "output": 32})
     assert "projected" not in same
+
+
+@pytest.mark.parametrize("projection", [True, False], ids=["projection", "matryoshka"])
+def test_each_exported_folder_has_the_card_of_what_it_holds(
+    tiny_models: dict[str, Path],
+    tmp_path: Path,
+    accelerator,  # noqa: ANN001
+    projection: bool,
+) -> None:
+    """The projected model's card says so; the student folder's (projection mode) says it is the bare student."""
+    model = projected_model(tiny_models)
+    if not projection:
+        model = DistillationModel(model.student)
+    table = "| metric | student_after |\n|---|---|\n| ndcg@10 | 0.5000 |"
+    exported = export_models(accelerator, model, tmp_path, {"teacher_model": "big/teacher"}, table)
+    cards = {name: (Path(path) / "README.md").read_text() for name, path in exported.items()}
+    assert sorted(cards) == (["model", "student"] if projection else ["model"])
+    assert all(table in card for card in cards.values())
+    assert ("(32-d, projected to the teacher's 48-d)." in cards["model"]) == projection
+    if projection:
+        assert "(32-d). This folder is the student at its own 32 dimensions, without the projection" in cards["student"]
+        assert "projected" not in cards["student"]
 
 
 def test_any_failed_save_leaves_no_temporary_folder(

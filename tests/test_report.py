@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from distill.errors import DistillError
-from distill.report import report_figure, report_markdown, write_report
+from distill.report import report_figure, report_markdown, results_table, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -125,3 +125,35 @@ def test_failed_write_leaves_nothing(tmp_path: Path) -> None:
         write_report(tmp_path, results())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.png"]
     assert not (tmp_path / "report.md").exists()
+
+
+def test_projection_metrics_reach_the_report_table() -> None:
+    """Projection mode's own rows (the student's dimension, the teacher-built index) are in report.md and the card."""
+    data = results(matryoshka=False)
+    for row, (own, asymmetric) in {"student_before": (0.44, 0.31), "student_after": (0.53, 0.47)}.items():
+        data[row] |= {"ndcg@10_student_dim": own, "ndcg@10_asymmetric": asymmetric}
+    text = report_markdown(data)
+    assert "| ndcg@10_student_dim |  | 0.4400 |  | 0.5300 |" in text  # no teacher or after_phase1 value here
+    assert "| ndcg@10_asymmetric |  | 0.3100 |  | 0.4700 |" in text
+    assert results_table(data) in text  # the table the model card and the console get
+
+
+def test_negative_metrics_are_drawn_below_zero() -> None:
+    """An untrained student's STS Spearman can be negative: its bar and label show below the axis, not cut off."""
+    data = results()
+    data["student_before"]["sts_spearman"] = -0.2
+    (axes,) = [a for a in report_figure(data).axes if a.get_title() == "(b) evaluation"]
+    bottom, top = axes.get_ylim()
+    assert bottom < -0.2 and top > 0.6
+    assert "-0.200" in [t.get_text() for t in axes.texts]
+
+
+def test_the_loss_panels_legend_covers_no_curve_with_mid_phase_evaluations() -> None:
+    """Loss and nDCG@10 curves on two scales leave no free corner: the legend sits outside the plot, below it."""
+    data = results()
+    data["evaluations"] = {"phase1": [{"step": s, "ndcg@10": 0.4 + s / 400} for s in range(5, 41, 5)]}
+    figure = report_figure(data)
+    figure.canvas.draw()
+    axes = figure.axes[0]
+    legend, plot = axes.get_legend().get_window_extent(), axes.get_window_extent()
+    assert legend.y1 <= plot.y0  # wholly below the plotting area

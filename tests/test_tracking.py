@@ -63,13 +63,13 @@ def test_missing_tracker_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 
 def test_a_resumed_run_does_not_repeat_its_config_line(tmp_path: Path) -> None:
-    """The config is written when the file's last config differs (a new run), not again on resuming the same run."""
+    """A new run writes its config line, even the file's last one again; a resumed segment only a different one."""
     from conftest import reset_accelerate
     from distill.config import build_config
     from distill.train import tracker_config
 
-    def segment(config: dict, step: int) -> None:
-        accelerator = Accelerator(cpu=True, log_with=[JsonlTracker(tmp_path)], project_dir=tmp_path)
+    def segment(config: dict, step: int, resumed: bool = False) -> None:
+        accelerator = Accelerator(cpu=True, log_with=[JsonlTracker(tmp_path, resumed)], project_dir=tmp_path)
         accelerator.init_trackers("x", config=config)
         accelerator.log({"loss": 0.5}, step=step)
         accelerator.end_training()
@@ -79,8 +79,9 @@ def test_a_resumed_run_does_not_repeat_its_config_line(tmp_path: Path) -> None:
     resumed = tracker_config(build_config({"output_dir": str(tmp_path), "resume_from_checkpoint": "latest"}))
     assert resumed == started and "resume_from_checkpoint" not in started  # how a segment starts is no setting
     segment(started, 1)
-    segment(resumed, 2)
-    segment({**started, "phase1_lr": 0.5}, 1)  # another run in the same folder: its config is on record
+    segment(resumed, 2, resumed=True)
+    segment({**started, "phase1_lr": 0.5}, 1, resumed=True)  # resumed with another setting: on record
+    segment(started, 1)  # the same command run again in the same folder: a new run, not a third segment
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [("config" in line, line.get("step")) for line in lines] == [
         (True, None),
@@ -88,5 +89,7 @@ def test_a_resumed_run_does_not_repeat_its_config_line(tmp_path: Path) -> None:
         (False, 2),
         (True, None),
         (False, 1),
+        (True, None),
+        (False, 1),
     ]
-    assert lines[3]["config"]["phase1_lr"] == 0.5
+    assert lines[3]["config"]["phase1_lr"] == 0.5 and lines[5]["config"] == started

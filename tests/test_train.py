@@ -313,6 +313,7 @@ def test_keep_best_weighs_the_end_of_phase_model_too(tiny_models, tiny_data, tmp
     for phase in ("phase1", "phase2"):
         card = (out / "best" / phase / "model" / "README.md").read_text()
         assert f"best of {phase}: its end, optimizer step 6" in card
+        assert "/student/st` (32-d, projected to the teacher's 48-d)." in card  # its dimensions, not "None-d"
     made.clear()
     reset_accelerate()
     out = tmp_path / "every3"
@@ -832,3 +833,19 @@ def test_fp16_gradient_compression_on_two_cpu_processes(tiny_models, tiny_data, 
         assert (tmp_path / f"hooks-rank{rank}.txt").read_text().split() == ["fp16_compress_hook"] * 2
     assert_same_losses(out, eager_run, atol=5e-5, rtol=5e-4)
     assert max_weight_difference(out, eager_run) <= 1e-2
+
+
+def test_a_failed_report_does_not_fail_the_trained_run(tiny_models, tiny_data, tmp_path, monkeypatch, caplog):
+    """matplotlib missing (say): the run still exports, writes results.json and ends its trackers, with a warning."""
+    import distill.train
+
+    def no_matplotlib(*args: object) -> None:
+        raise ModuleNotFoundError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(distill.train, "write_report", no_matplotlib)
+    out = tmp_path / "no_report"
+    flags = short_evaluated_flags(tiny_models, tiny_data, out, skip_phase2=True, save_to_artifacts=True)
+    assert main(flags) == 0
+    assert "student_after" in results_of(out) and (out / "artifacts" / "model" / "model.safetensors").is_file()
+    assert "report not written (ModuleNotFoundError: No module named 'matplotlib')" in caplog.text
+    assert '"student_after/ndcg@10"' in (out / "metrics.jsonl").read_text()
