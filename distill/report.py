@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -12,6 +13,8 @@ import numpy as np
 from accelerate import Accelerator
 
 from distill.errors import DistillError
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -93,25 +96,32 @@ ROW_LABELS = {
 }
 
 
-def write_report(output_dir: str | os.PathLike, results: dict) -> tuple[Path, Path]:
+def write_report(output_dir: str | os.PathLike, results: dict) -> tuple[Path | None, Path]:
     """Write `report.png` (loss curves, metric bars, Matryoshka curve) and `report.md` into `output_dir`.
 
     A leaf writer: the caller runs it on the main process only, so nothing here touches another rank.
-    Returns the (png, md) paths.
+    A figure that cannot be drawn (matplotlib missing, say) is a warning, and `report.md` is written without
+    it. Returns the (png or None, md) paths.
     """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     png, md = output_dir / "report.png", output_dir / "report.md"
-    figure = report_figure(results)
-    # The staging name has no .png suffix, so the format is given explicitly.
-    write_atomic(png, lambda staging: figure.savefig(staging, format="png", dpi=110))
-    write_atomic(md, lambda staging: staging.write_text(report_markdown(results, png.name)))
+    try:
+        figure = report_figure(results)
+    except Exception as e:  # the numbers matter more than the picture
+        logger.warning(f"report.png not drawn ({type(e).__name__}: {e}); report.md has every figure")
+        png = None
+    else:  # the staging name has no .png suffix, so the format is given explicitly
+        write_atomic(png, lambda staging: figure.savefig(staging, format="png", dpi=110))
+    write_atomic(md, lambda staging: staging.write_text(report_markdown(results, png.name if png else None)))
     return png, md
 
 
-def report_markdown(results: dict, image_name: str = "report.png") -> str:
+def report_markdown(results: dict, image_name: str | None = "report.png") -> str:
     """The Markdown report: evaluation table, share of the teacher's nDCG@10 kept, per-phase table, figure link."""
-    lines = [f"# Distillation report ({_run_description(results)})", "", f"![Distillation report]({image_name})", ""]
+    lines = [f"# Distillation report ({_run_description(results)})", ""]
+    if image_name:
+        lines += [f"![Distillation report]({image_name})", ""]
     lines += ["## Evaluation", ""]
     if any(isinstance(results.get(row), dict) for row in ROWS):
         lines.append(results_table(results))

@@ -836,16 +836,18 @@ def test_fp16_gradient_compression_on_two_cpu_processes(tiny_models, tiny_data, 
 
 
 def test_a_failed_report_does_not_fail_the_trained_run(tiny_models, tiny_data, tmp_path, monkeypatch, caplog):
-    """matplotlib missing (say): the run still exports, writes results.json and ends its trackers, with a warning."""
-    import distill.train
+    """matplotlib missing (say): the run still exports, writes results.json, report.md and ends its trackers."""
+    import distill.report
 
     def no_matplotlib(*args: object) -> None:
         raise ModuleNotFoundError("No module named 'matplotlib'")
 
-    monkeypatch.setattr(distill.train, "write_report", no_matplotlib)
+    monkeypatch.setattr(distill.report, "report_figure", no_matplotlib)
     out = tmp_path / "no_report"
     flags = short_evaluated_flags(tiny_models, tiny_data, out, skip_phase2=True, save_to_artifacts=True)
     assert main(flags) == 0
     assert "student_after" in results_of(out) and (out / "artifacts" / "model" / "model.safetensors").is_file()
-    assert "report not written (ModuleNotFoundError: No module named 'matplotlib')" in caplog.text
+    assert "report.png not drawn (ModuleNotFoundError: No module named 'matplotlib')" in caplog.text
+    report = (out / "report.md").read_text()
+    assert "| ndcg@10 |" in report and "student_after" in report and "report.png" not in report and not (out / "report.png").exists()
     assert '"student_after/ndcg@10"' in (out / "metrics.jsonl").read_text()
