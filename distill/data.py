@@ -373,9 +373,11 @@ def hold_out(pairs: Pairs, count: int, seed: int) -> tuple[Pairs, EvalSet]:
     """Move `count` seeded-random pairs (at most a tenth) out of training into a retrieval evaluation set.
 
     The corpus holds each held-out passage once (two held-out queries with the same passage share it; a copy
-    would tie with it and lower the score). Training pairs that share any text with the held-out pairs (the
-    same passage under another query, the same query, a held-out passage as a negative) are dropped too,
-    with a count, so the student never trains toward the teacher's vector of an evaluation text.
+    would tie with it and lower the score), and each held-out query has one pair (its other passages leave
+    training with it, and stay out of the corpus, where they would count as misses). Training pairs that share
+    any text with the held-out pairs (the same passage under another query, the same query, a held-out passage
+    as a negative) are dropped too, with a count, so the student never trains toward the teacher's vector of an
+    evaluation text.
     """
     count = min(count, len(pairs) // 10)
     if count == 0:
@@ -385,7 +387,16 @@ def hold_out(pairs: Pairs, count: int, seed: int) -> tuple[Pairs, EvalSet]:
         )
     order = list(range(len(pairs)))
     random.Random(seed).shuffle(order)
-    held = sorted(order[:count])
+    # one pair per query: a query held out with two passages would count either answer as a miss for the other
+    held, held_queries = [], set()
+    for i in order:
+        if len(held) == count:
+            break
+        if pairs.queries[i] not in held_queries:
+            held_queries.add(pairs.queries[i])
+            held.append(i)
+    chosen = set(held)
+    held = sorted(held)
     corpus = list(dict.fromkeys(pairs.passages[i] for i in held))
     position = {passage: i for i, passage in enumerate(corpus)}
     evaluation = EvalSet(
@@ -399,7 +410,7 @@ def hold_out(pairs: Pairs, count: int, seed: int) -> tuple[Pairs, EvalSet]:
         row = [pairs.queries[i], pairs.passages[i], *(pairs.negatives[i] if pairs.negatives else [])]
         return any(text in held_texts for text in row)
 
-    rest = sorted(order[count:])
+    rest = [i for i in range(len(pairs)) if i not in chosen]
     train = [i for i in rest if not shares_text(i)]
     if len(train) < len(rest):
         logger.warning(

@@ -494,3 +494,15 @@ def test_hold_out_keeps_evaluation_texts_out_of_training_and_the_corpus_unique()
     assert train.queries, "something is left to train on"
     for query, passage, negative in zip(train.queries, train.passages, train.negatives, strict=True):
         assert not {query, passage, *negative} & held
+
+
+def test_hold_out_holds_each_query_out_once() -> None:
+    """A query with two passages is held out with one: the other, in the corpus too, would count as a miss."""
+    queries = [f"q{i // 2}" for i in range(200)]  # every query has two passages
+    passages = [f"p{i}" for i in range(200)]
+    train, evaluation = hold_out(Pairs(queries, passages), 20, seed=0)
+    assert len(evaluation.queries) == 20 and len(set(evaluation.queries)) == 20
+    assert len(evaluation.corpus) == 20  # only the held-out passage of each query
+    for query, relevant in zip(evaluation.queries, evaluation.relevant, strict=True):
+        assert queries[passages.index(evaluation.corpus[relevant])] == query
+    assert not set(train.queries) & set(evaluation.queries) and len(train.queries) == 200 - 40
