@@ -7,7 +7,9 @@
     python bench/run.py --quick --repeats 1 --out /tmp/bench_quick.md   # tiny sizes: checks every variant runs
 
 Same teacher (all-MiniLM-L6-v2), student (its 3-layer copy), data (the embedded Wikipedia training
-sentences), batch size, epoch, max length, learning rate and seed for every variant:
+sentences), batch size, epoch, max length, learning rate and seed for every variant; the student's attention
+dropout while it trains is the toolkit's default (0) in the toolkit and the floor, the model's own (0.1) in the
+peer, as its recipe leaves it:
 1. peer: teacher `encode` into a label column, `SentenceTransformerTrainer` + `MSELoss`;
 2. toolkit: `python -m distill.train`, phase 1 only, with a fresh teacher cache (cold) and again with it (warm);
 3. floor: a bare loop over the toolkit's length-grouped batches, and over random batches.
@@ -363,6 +365,13 @@ def _loads(values: tuple[float, ...]) -> str:
     return "/".join(f"{v:.2f}" for v in values)
 
 
+def _dropout_words(dropout: float | None) -> str:
+    """The students' attention dropout while training: the toolkit's and the floor's, and the peer's (its recipe's)."""
+    if dropout is None:
+        return "attention dropout: the model's own in every variant"
+    return f"attention dropout {dropout:g} (toolkit and floor; the toolkit's default), the model's own in the peer"
+
+
 def main_block(args: argparse.Namespace, found: dict, head: list[str]) -> str:
     spec, runs, teacher = found["spec"], found["runs"], found["teacher"]
     names = {
@@ -378,7 +387,8 @@ def main_block(args: argparse.Namespace, found: dict, head: list[str]) -> str:
         *head,
         "",
         f"Workload: {spec['texts_how']}; teacher {MODEL}, student its 3-layer copy (Matryoshka mode, no "
-        f"projection), batch {spec['batch_size']}, 1 epoch, max length {spec['max_length']}, lr {spec['lr']} "
+        f"projection; {_dropout_words(spec['attention_dropout'])}), batch {spec['batch_size']}, 1 epoch, "
+        f"max length {spec['max_length']}, lr {spec['lr']} "
         f"(linear, {spec['warmup_ratio']:.0%} warm-up), weight decay {spec['weight_decay']}, seed {spec['seed']}. "
         f"nDCG@10: {teacher['queries']} inverse-cloze queries over {teacher['corpus']} passages of the held-out "
         f"articles (teacher: {teacher['ndcg@10']:.4f}). Median of {len(runs)} repeat(s), min–max in brackets.",
