@@ -200,8 +200,9 @@ def _hub_snapshot(name: str, revision: str | None) -> str:
 def declared_dimension(path_or_name: str) -> int | None:
     """The embedding dimension a local SentenceTransformer folder declares, read without loading weights.
 
-    Follows modules.json: the Pooling module's dimension, overridden by any later Dense's out_features.
-    None when it cannot tell (a Hub name, an unusual module); callers then check after loading.
+    Follows modules.json: the Pooling module's dimension (its token dimension times the number of pooling
+    modes it concatenates), overridden by any later Dense's out_features. None when it cannot tell (a Hub
+    name, an unusual module); callers then check after loading.
     """
     folder = Path(path_or_name)
     modules = folder / "modules.json"
@@ -212,10 +213,22 @@ def declared_dimension(path_or_name: str) -> int | None:
         config = read_json(folder / module.get("path", "") / "config.json")
         kind = module.get("type", "")
         if kind.endswith("Pooling"):
-            dim = config.get("embedding_dimension") or config.get("word_embedding_dimension") or dim
+            token_dim = config.get("embedding_dimension") or config.get("word_embedding_dimension")
+            dim = token_dim * pooling_modes(config) if token_dim else dim
         elif kind.endswith("Dense"):
             dim = config.get("out_features", dim)
     return int(dim) if dim else None
+
+
+def pooling_modes(pooling_config: dict) -> int:
+    """How many poolings a Pooling config concatenates (each adds its token dimension to the output).
+
+    `pooling_mode` is a name or a list; older configs set `pooling_mode_*` flags instead (none set: mean).
+    """
+    modes = pooling_config.get("pooling_mode")
+    if modes is None:
+        return max(1, sum(bool(v) for k, v in pooling_config.items() if k.startswith("pooling_mode_")))
+    return len(modes) if isinstance(modes, (list, tuple)) else 1
 
 
 def read_json(path: Path) -> dict:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import distill.hub as hub
-from distill.hub import model_fingerprint, resolve_model
+from distill.hub import declared_dimension, model_fingerprint, resolve_model
 
 
 def test_a_shipped_copy_stands_in_only_for_its_exact_name_without_revision(
@@ -60,3 +60,34 @@ def test_a_local_folder_is_hashed_whole_and_the_digests_are_remembered(
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1_000_000))
     assert model_fingerprint(str(folder), memo=memo) != first
     assert read == [weights.resolve()]
+
+
+def sentence_transformer_folder(folder: Path, modules: list[tuple[str, dict]]) -> Path:
+    """A model folder with only modules.json and each module's config.json (no weights)."""
+    entries = []
+    for i, (kind, config) in enumerate(modules):
+        path = f"{i}_{kind}"
+        (folder / path).mkdir(parents=True)
+        (folder / path / "config.json").write_text(json.dumps(config))
+        entries.append({"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"})
+    (folder / "modules.json").write_text(json.dumps(entries))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("pooling", "expected"),
+    [
+        ({"embedding_dimension": 48, "pooling_mode": "mean"}, 48),
+        ({"embedding_dimension": 48, "pooling_mode": ["mean", "cls"]}, 96),  # concatenated: twice the width
+        ({"word_embedding_dimension": 48, "pooling_mode_cls_token": True, "pooling_mode_max_tokens": True}, 96),
+        ({"word_embedding_dimension": 48, "pooling_mode_mean_tokens": True, "pooling_mode_cls_token": False}, 48),
+    ],
+)
+def test_declared_dimension_counts_every_concatenated_pooling(tmp_path: Path, pooling: dict, expected: int) -> None:
+    """A too-narrow reading would refuse a valid Matryoshka pairing (a 96-d teacher for a 64-d student)."""
+    folder = sentence_transformer_folder(tmp_path / "model", [("Transformer", {}), ("Pooling", pooling)])
+    assert declared_dimension(str(folder)) == expected
+    dense = sentence_transformer_folder(
+        tmp_path / "dense", [("Transformer", {}), ("Pooling", pooling), ("Dense", {"out_features": 24})]
+    )
+    assert declared_dimension(str(dense)) == 24
