@@ -1,7 +1,8 @@
 """Export the trained student as folders that `SentenceTransformer(path)` loads and uses as they are.
 
 - `<artifacts_dir>/model`: what users deploy. In projection mode it ends with the trained Dense projection
-  and a Normalize, so `encode` returns teacher-space vectors that can query an index the teacher built.
+  and a Normalize, so `encode` returns teacher-space vectors that can query an index the teacher built. In
+  Matryoshka mode it is the student, given a final Normalize if it has none: unit vectors in both modes.
 - `<artifacts_dir>/student`: projection mode only, the student at its own dimension.
 
 Each folder is written by sentence-transformers' own `save` into a temporary folder, with a model card
@@ -24,13 +25,19 @@ from distill.student import DistillationModel, normalize_module
 
 
 def deployable_model(model: DistillationModel):  # noqa: ANN201 - SentenceTransformer
-    """The SentenceTransformer users get: the student, then projection + Normalize in projection mode."""
+    """The SentenceTransformer users get: the student, then projection + Normalize in projection mode.
+
+    In Matryoshka mode a student that does not end with a Normalize gets one: the losses compare re-normalised
+    vectors, so its own norms were never trained, and a dot product on them would rank by noise.
+    """
     from sentence_transformers import SentenceTransformer
 
     student = model.student
-    if model.projection is None:
+    normalize = normalize_module()
+    head = [] if model.projection is None else [model.projection]
+    if not head and isinstance(student[-1], type(normalize)):
         return student
-    modules = [*student, model.projection, normalize_module()]
+    modules = [*student, *head, normalize]
     exported = SentenceTransformer(modules=modules, device=str(student.device))
     exported.max_seq_length = student.max_seq_length
     return exported
@@ -46,7 +53,7 @@ def export_models(
     root = Path(artifacts_dir).expanduser()
     student_dims = {"student": model.student_dim, "output": model.student_dim}
     if model.projection is None:
-        targets = {"model": (root / "model", model.student, model_card(settings, table, student_dims))}
+        targets = {"model": (root / "model", deployable_model(model), model_card(settings, table, student_dims))}
     else:
         output_dims = {"student": model.student_dim, "output": model.projection.out_features}
         note = (

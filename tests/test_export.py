@@ -73,6 +73,25 @@ def test_matryoshka_mode_exports_the_student_itself(tiny_models: dict[str, Path]
     assert reloaded.encode(texts).shape == (4, 32)
 
 
+def test_matryoshka_export_of_a_student_without_normalize_returns_unit_vectors(
+    tiny_models: dict[str, Path], tmp_path: Path, accelerator
+) -> None:
+    """The losses compare re-normalised vectors, so the student's own norms are untrained: the export normalises."""
+    loaded = SentenceTransformer(str(tiny_models["student"]), device="cpu")
+    student = SentenceTransformer(modules=list(loaded)[:-1], device="cpu")  # Transformer, Pooling: no Normalize
+    student.max_seq_length = 24
+    texts = sentences(6, seed=4)
+    raw = student.encode(texts)
+    assert not np.allclose(np.linalg.norm(raw, axis=1), 1.0, atol=1e-3)
+    exported = export_models(accelerator, DistillationModel(student), tmp_path, {}, "")
+    reloaded = SentenceTransformer(exported["model"], device="cpu")
+    vectors = reloaded.encode(texts)
+    np.testing.assert_allclose(vectors, raw / np.linalg.norm(raw, axis=1, keepdims=True), atol=1e-5)
+    assert reloaded.max_seq_length == 24
+    assert [type(m).__name__ for m in reloaded][-1] == "Normalize"
+    assert [type(m).__name__ for m in student][-1] == "Pooling"  # the in-memory student is left as it was
+
+
 def test_export_replaces_a_previous_export(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     target = tmp_path / "model"
     texts = sentences(4, seed=7)
