@@ -256,14 +256,22 @@ def orthogonal_projection(student_embeddings: torch.Tensor, teacher_embeddings: 
     """A bias-free Dense with orthonormal columns (student_dim -> teacher_dim) fitted by orthogonal Procrustes.
 
     Unlike the least-squares fit it keeps every cosine of the student's own space, so the projected student
-    ranks exactly as the student does, while pointing into the teacher's space (for asymmetric search).
+    ranks exactly as the student does, while pointing into the teacher's space (for asymmetric search). It is
+    scaled so the projected vectors are as long as the teacher's (root mean square): 1 for unit vectors on both
+    sides, and for a student without a final Normalize the alignment loss is not spent on its norms.
     """
     if student_embeddings.shape[1] > teacher_embeddings.shape[1]:
         raise DistillError(
             f"an orthogonal projection cannot map {student_embeddings.shape[1]} dimensions into the teacher's "
             f"{teacher_embeddings.shape[1]}; pass --projection_init least_squares"
         )
-    return linear_dense(orthogonal_procrustes(student_embeddings, teacher_embeddings))
+    rotation = orthogonal_procrustes(student_embeddings, teacher_embeddings)
+    scale = _rms_norm(teacher_embeddings) / _rms_norm(student_embeddings).clamp(min=1e-12)
+    return linear_dense(rotation * scale.float())
+
+
+def _rms_norm(vectors: torch.Tensor) -> torch.Tensor:
+    return vectors.double().pow(2).sum(dim=1).mean().sqrt()
 
 
 def pca_basis(vectors: np.ndarray, chunk_size: int = 8192) -> np.ndarray:

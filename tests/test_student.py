@@ -358,6 +358,24 @@ def test_orthogonal_projection_keeps_the_students_cosines() -> None:
         orthogonal_projection(teacher, student)  # 12 -> 8 cannot keep cosines
 
 
+def test_orthogonal_projection_matches_the_teachers_norms() -> None:
+    """A student without a final Normalize (norms about 6 here) is projected to the teacher's unit length, so
+    phase 1's squared distance starts at 2 * (1 - cos), not at the norm gap; unit students stay unscaled."""
+    generator = torch.Generator().manual_seed(9)
+    direction = torch.randn(200, 8, generator=generator)
+    teacher = F.normalize(torch.cat([direction, 0.3 * torch.randn(200, 4, generator=generator)], dim=1), dim=-1)
+    for scale in (6.0, 1.0):
+        student = scale * F.normalize(direction, dim=-1)
+        projected = orthogonal_projection(student, teacher)({"sentence_embedding": student})["sentence_embedding"]
+        torch.testing.assert_close(projected.norm(dim=-1), torch.ones(200), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            F.normalize(projected, dim=-1) @ F.normalize(projected, dim=-1).T,
+            F.normalize(student, dim=-1) @ F.normalize(student, dim=-1).T,
+            atol=1e-5,
+            rtol=0,
+        )
+
+
 def test_pruning_keeps_the_kept_layers_types(tiny_models: dict[str, Path]) -> None:
     """ModernBERT, Qwen, Gemma, Mistral configs list one attention type per layer; it must follow the pruning."""
     student = SentenceTransformer(str(tiny_models["student"]), device="cpu")
