@@ -51,7 +51,7 @@ def export_models(
     Returns {name: path}. Collective: every process must call it.
     """
     root = Path(artifacts_dir).expanduser()
-    student_dims = {"student": model.student_dim, "output": model.student_dim}
+    student_dims = {"student": model.student_dim}  # no "output": no projection in the folder
     if model.projection is None:
         targets = {"model": (root / "model", deployable_model(model), model_card(settings, table, student_dims))}
     else:
@@ -114,7 +114,10 @@ def no_prompts(sentence_transformer):  # noqa: ANN001, ANN201
 
 
 def model_card(settings: dict, table: str, dims: dict[str, int], note: str = "") -> str:
-    """A sentence-transformers model card: how the student was distilled (`note`: what the folder holds), its scores."""
+    """A sentence-transformers model card: how the student was distilled (`note`: what the folder holds), its scores.
+
+    `dims`: {"student": its dimension}, plus {"output": the projection's} when the folder ends with the projection.
+    """
     front = "\n".join(
         [
             "---",
@@ -136,7 +139,7 @@ def model_card(settings: dict, table: str, dims: dict[str, int], note: str = "")
         f"{front}# Distilled student\n\n"
         f"Distilled with `distill` from teacher `{settings.get('teacher_model')}` into "
         f"`{settings.get('student_model')}` ({dims.get('student')}-d"
-        + (f", projected to the teacher's {dims.get('output')}-d" if dims.get("output") != dims.get("student") else "")
+        + (f", projected to the teacher's {dims['output']}-d" if "output" in dims else "")
         + ")."
         + (f" {note}" if note else "")
         + "\n\n## Usage\n\n"

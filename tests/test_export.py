@@ -180,8 +180,9 @@ def test_model_card_mentions_models_table_and_settings() -> None:
     assert "32-d, projected to the teacher's 48-d" in card
     assert "| ndcg@10 | 0.5000 |" in card
     assert '"batch_size": 8' in card
-    same = model_card({}, "", {"student": 32, "output": 32})
-    assert "projected" not in same
+    assert "projected" not in model_card({}, "", {"student": 32})
+    # a projection to the student's own width still maps into the teacher's space
+    assert "(48-d, projected to the teacher's 48-d)." in model_card({}, "", {"student": 48, "output": 48})
 
 
 @pytest.mark.parametrize("projection", [True, False], ids=["projection", "matryoshka"])
