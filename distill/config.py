@@ -526,6 +526,11 @@ def validate(config: Config) -> list[str]:
     dims = config.model.matryoshka_dims
     if dims is not None and (not dims or any(d < 1 for d in dims)):
         problems.append(f"matryoshka_dims: expected positive integers like 384,192,96, got {dims}")
+    if dims is not None and config.model.use_projection:
+        problems.append(
+            "matryoshka_dims: projection mode trains no Matryoshka dimensions; "
+            "pass --use_projection False or drop --matryoshka_dims"
+        )
     if config.training.skip_phase1 and config.training.skip_phase2:
         problems.append("skip_phase1 and skip_phase2 are both set: nothing would be trained; drop one of them")
     return problems

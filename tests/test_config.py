@@ -114,6 +114,7 @@ def test_unknown_yaml_key_via_build_config() -> None:
             r"student_attention_dropout: expected a probability in \[0, 1\) or none",
         ),
         (["--matryoshka_dims", "384,-2"], r"matryoshka_dims: expected positive integers"),
+        (["--matryoshka_dims", "64,32"], r"matryoshka_dims: projection mode trains no Matryoshka dimensions; pass"),
         (["--matryoshka_dims", "384,big"], r"matryoshka_dims: expected a list of integers"),
         (["--batch_size", "none"], r"batch_size: expected int, got 'none'"),
         (["--skip_phase1", "--skip_phase2"], r"skip_phase1 and skip_phase2 are both set"),
@@ -231,11 +232,13 @@ def test_bool_from_yaml_overridden_by_flag(tmp_path: Path) -> None:
 
 
 def test_matryoshka_dims_parsing(tmp_path: Path) -> None:
-    assert load_config(["--matryoshka_dims", "384,192"]).model.matryoshka_dims == [384, 192]
-    assert load_config(["--matryoshka_dims", "384"]).model.matryoshka_dims == [384]
-    assert load_config(["--matryoshka_dims", "64,32,"]).model.matryoshka_dims == [64, 32]
-    assert load_config(["--matryoshka_dims", "None"]).model.matryoshka_dims is None
-    path = write_yaml(tmp_path / "c.yaml", {"matryoshka_dims": [256, 128, 64]})
+    mrl = ["--use_projection", "False", "--matryoshka_dims"]
+    assert load_config([*mrl, "384,192"]).model.matryoshka_dims == [384, 192]
+    assert load_config([*mrl, "384"]).model.matryoshka_dims == [384]
+    assert load_config([*mrl, "64,32,"]).model.matryoshka_dims == [64, 32]
+    assert load_config([*mrl, "None"]).model.matryoshka_dims is None
+    assert load_config(["--matryoshka_dims", "None"]).model.matryoshka_dims is None  # projection mode: nothing set
+    path = write_yaml(tmp_path / "c.yaml", {"use_projection": False, "matryoshka_dims": [256, 128, 64]})
     assert load_config(["--config", str(path)]).model.matryoshka_dims == [256, 128, 64]
 
 
