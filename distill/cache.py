@@ -239,7 +239,7 @@ class CacheItem:
     kind: str  # "entry", "corrupt", "partial", "tmp", "stale", "lock"
     host: str = ""
     pid: int | None = None
-    bytes: int = 0
+    bytes: int = 0  # on disk: a partial's embeddings.npy is full-size but sparse, holding only the rows done
     used: float = 0.0  # modification time: an entry's last use, a staging folder's last progress
     info: dict = field(default_factory=dict)  # manifest.json or progress.json
 
@@ -277,15 +277,21 @@ def scan(cache_dir: Path) -> list[CacheItem]:
 
 
 def _size_and_time(path: Path) -> dict:
-    """Bytes under `path` and the newest modification time among it and its files."""
+    """Disk usage under `path` and the newest modification time among it and its files."""
     files = [path] if path.is_file() else [path, *(p for p in path.rglob("*") if p.is_file())]
     size, used = 0, 0.0
     for file in files:
         with contextlib.suppress(OSError):  # removed while we looked
             stat = file.stat()
-            size += stat.st_size if file.is_file() else 0
+            size += disk_usage(stat) if file.is_file() else 0
             used = max(used, stat.st_mtime)
     return {"bytes": size, "used": used}
+
+
+def disk_usage(stat: os.stat_result) -> int:
+    """Bytes a file takes on disk, as `du` counts them: a partial's memory map is created full-size but sparse."""
+    blocks = getattr(stat, "st_blocks", None)  # POSIX; 512-byte units whatever the block size
+    return stat.st_size if blocks is None else blocks * 512
 
 
 def process_alive(pid: int) -> bool:
