@@ -20,7 +20,8 @@ computed is the teacher's business (distill/teacher.py).
 `prune` removes what no run can use again: staging folders of processes that are gone, moved-aside
 entries, unheld lock files, corrupt entries. With `--unused_days N` it also removes entries, and
 interrupted encodings, untouched for N days. Anything a live run on this machine holds is left alone;
-another machine's staging folder is removed only by age.
+another machine's staging folder is removed only by age. An entry is moved aside before it is deleted, and kept
+if a run read or rebuilt it since `prune` looked. `prune` exits with 1 if something could not be removed.
 """
 
 from __future__ import annotations
@@ -343,11 +344,16 @@ def in_use(item: CacheItem) -> bool:
 
 
 def remove(item: CacheItem) -> bool:
-    """Remove `item`; False if a run on this machine took its lock meanwhile. Under the lock, so none starts."""
+    """Remove `item`; False if a run took its lock or used it meanwhile. Under the lock, so none starts."""
+    if item.kind in ("entry", "corrupt"):
+        return remove_entry(item)
     lock = None
     if item.kind in ("partial", "lock") and item.this_host:
         lock = claim(item.lock_path)
         if lock is None:
+            if item.lock_path.exists():
+                return False  # a run on this machine holds it
+            os.close(os.open(item.lock_path, os.O_CREAT | os.O_RDWR, 0o644))  # raises why it cannot be made
             return False
     try:
         if item.path.is_dir():
@@ -359,6 +365,18 @@ def remove(item: CacheItem) -> bool:
     finally:
         if lock is not None:
             os.close(lock)
+    return True
+
+
+def remove_entry(item: CacheItem) -> bool:
+    """Remove an entry, unless a run read or rebuilt it since `scan`; moved aside first, so no run sees it half gone."""
+    aside = item.path.parent / f".{item.key}.stale-{os.getpid()}"
+    os.replace(item.path, aside)  # in a read-only folder this fails, and the entry stays whole
+    if max((f.stat().st_mtime for f in aside.iterdir() if f.is_file()), default=0.0) > item.used:
+        with contextlib.suppress(OSError):  # if a run has written the entry again meanwhile, this copy can go
+            os.rename(aside, item.path)
+            return False
+    shutil.rmtree(aside)
     return True
 
 
@@ -475,14 +493,16 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.command == "prune" and args.unused_days is not None and args.unused_days < 0:
             raise ValueError(f"--unused_days must be 0 or more, got {args.unused_days:g}")
+        lines = [list_cache(cache_dir)] if args.command == "list" else prune(cache_dir, args.unused_days, args.dry_run)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.command == "list":
-        print(list_cache(cache_dir))
-    else:
-        print("\n".join(prune(cache_dir, args.unused_days, args.dry_run)))
-    return 0
+    except OSError as e:  # an unreadable folder
+        where = e.filename or cache_dir
+        print(f"error: cannot read {where} ({e.strerror or e}); run as a user who can read the cache", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 1 if any(line.startswith("could not remove") for line in lines) else 0
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -13,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from distill import cache
 from distill.cache import claim, human_bytes, list_cache, main, prune, read_entry
 
 HOST = socket.gethostname()
@@ -178,3 +181,73 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     )
     assert main(["prune", "--teacher_cache_dir", str(tmp_path / "cache"), "--unused_days", "-1"]) == 2
     assert capsys.readouterr().err == "error: --unused_days must be 0 or more, got -1\n"
+
+
+def test_an_unreadable_cache_is_one_line_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    make_entry(tmp_path, key(1))
+
+    def denied(self: Path):  # noqa: ANN202 - as a folder without read permission (tests run as root)
+        raise PermissionError(errno.EACCES, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "iterdir", denied)
+    assert main(["list", "--teacher_cache_dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: cannot read {tmp_path} (Permission denied); run as a user who can read the cache\n"
+    )
+
+
+@pytest.fixture
+def read_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """`tmp_path` as a folder whose listing cannot change (tests run as root, which permissions do not stop)."""
+
+    def guard(real):  # noqa: ANN001, ANN202
+        def call(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            creates = real is os.open and not Path(path).exists()
+            if Path(path).parent == tmp_path and (real is not os.open or creates):
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return real(path, *args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(os, "open", guard(os.open))
+    monkeypatch.setattr(os, "replace", guard(os.replace))
+    monkeypatch.setattr(shutil, "rmtree", guard(shutil.rmtree))
+    monkeypatch.setattr(Path, "unlink", lambda self, missing_ok=False: guard(os.unlink)(self))
+    return tmp_path
+
+
+def test_prune_in_a_read_only_folder_names_each_failure_and_keeps_entries_whole(
+    read_only: Path, capsys: pytest.CaptureFixture
+) -> None:
+    entry = make_entry(read_only, key(1), age_days=40)
+    partial = make_partial(read_only, key(2), age_days=40)  # no lock file yet: prune would have to create one
+    assert main(["prune", "--teacher_cache_dir", str(read_only), "--unused_days", "30"]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"could not remove {partial}: Permission denied",
+        f"could not remove {entry}: Permission denied",
+        f"freed 0 B in {read_only}",
+    ]
+    assert read_entry(entry, key(1), 4) is not None and (partial / "progress.json").exists()
+
+
+def test_prune_keeps_what_a_run_used_or_rebuilt_after_it_looked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    used, rebuilt = make_entry(tmp_path, key(1), age_days=40), make_entry(tmp_path, key(2))
+    (rebuilt / "embeddings.npy").write_bytes(b"\0")  # corrupt
+    age(rebuilt, 1)
+    real_scan = cache.scan
+
+    def scan_then_a_run_starts(cache_dir: Path) -> list:
+        items = real_scan(cache_dir)
+        os.utime(used / "manifest.json")  # a run read it (teacher.py touches it)
+        shutil.rmtree(rebuilt)  # a run rebuilt it (CacheWriter.commit)
+        make_entry(tmp_path, key(2))
+        return items
+
+    monkeypatch.setattr(cache, "scan", scan_then_a_run_starts)
+    assert prune(tmp_path, unused_days=30) == [f"freed 0 B in {tmp_path}"]
+    assert read_entry(used, key(1), 4) is not None and read_entry(rebuilt, key(2), 4) is not None
+    assert sorted(p.name for p in tmp_path.iterdir()) == [key(1), key(2)]  # nothing left moved aside
