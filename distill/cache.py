@@ -174,6 +174,7 @@ class CacheWriter:
                 self.vectors.flush()
                 self.vectors = None  # close the memory map before the rename
                 manifest = {
+                    "format": CACHE_FORMAT,  # `prune` leaves another version's entries alone (but for age)
                     "key": self.key,
                     "count": self.count,
                     "dim": dim,
@@ -237,7 +238,7 @@ class CacheItem:
 
     path: Path
     key: str
-    kind: str  # "entry", "corrupt", "partial", "tmp", "stale", "lock"
+    kind: str  # "entry", "corrupt", "other format", "partial", "tmp", "stale", "lock"
     host: str = ""
     pid: int | None = None
     bytes: int = 0  # on disk: a partial's embeddings.npy is full-size but sparse, holding only the rows done
@@ -261,9 +262,10 @@ def scan(cache_dir: Path) -> list[CacheItem]:
         if KEY.fullmatch(path.name) and path.is_dir():
             manifest = read_json_or_empty(path / "manifest.json")
             valid = read_entry(path, path.name, manifest.get("count", -1)) is not None
-            items.append(
-                CacheItem(path, path.name, "entry" if valid else "corrupt", info=manifest, **_size_and_time(path))
-            )
+            kind = "entry" if valid else "corrupt"
+            if manifest.get("format", CACHE_FORMAT) != CACHE_FORMAT:  # written by another distill version
+                kind = "other format"
+            items.append(CacheItem(path, path.name, kind, info=manifest, **_size_and_time(path)))
         elif staged:
             kind, rest = staged["kind"], staged["rest"]
             host, pid = rest, None
@@ -309,7 +311,7 @@ def verdict(item: CacheItem, items: list[CacheItem], unused_days: float | None, 
     """Why `prune` removes `item`, or None to keep it. Looks at locks and processes on this machine only."""
     old = unused_days is not None and now - item.used >= unused_days * 86400
     age = f"unused for {(now - item.used) / 86400:.1f} days"
-    if item.kind == "entry":
+    if item.kind in ("entry", "other format"):  # this version cannot read the latter, but the one that wrote it can
         return age if old else None
     if item.kind == "corrupt":
         return "incomplete or corrupt (a run would rebuild it)"
@@ -345,7 +347,7 @@ def in_use(item: CacheItem) -> bool:
 
 def remove(item: CacheItem) -> bool:
     """Remove `item`; False if a run took its lock or used it meanwhile. Under the lock, so none starts."""
-    if item.kind in ("entry", "corrupt"):
+    if item.kind in ("entry", "corrupt", "other format"):
         return remove_entry(item)
     lock = None
     if item.kind in ("partial", "lock") and item.this_host:
@@ -396,6 +398,8 @@ def describe(item: CacheItem, now: float) -> list[str]:
         done, count = info.get("rows_done"), info.get("count")
         progress = f" {done}/{count}" if done is not None and count else ""
         state = f"partial{progress} on {item.host}" + (" (encoding now)" if item.this_host and in_use(item) else "")
+    elif item.kind == "other format":
+        state = f"format {info.get('format')} (another distill version)"
     elif item.kind in ("tmp", "lock"):
         state = f"{item.kind} on {item.host}" + (f" pid {item.pid}" if item.pid is not None else "")
     days = (now - item.used) / 86400

@@ -251,3 +251,17 @@ def test_prune_keeps_what_a_run_used_or_rebuilt_after_it_looked(
     assert prune(tmp_path, unused_days=30) == [f"freed 0 B in {tmp_path}"]
     assert read_entry(used, key(1), 4) is not None and read_entry(rebuilt, key(2), 4) is not None
     assert sorted(p.name for p in tmp_path.iterdir()) == [key(1), key(2)]  # nothing left moved aside
+
+
+def test_entries_of_another_cache_format_go_only_by_age(tmp_path: Path) -> None:
+    """A newer distill sharing the folder writes entries this one cannot read; they are not corrupt."""
+    entry = make_entry(tmp_path, key(1), age_days=10)
+    np.save(entry / "embeddings.npy", np.ones((4, 3), dtype=np.float32))  # say format 2 keeps float32
+    manifest = json.loads((entry / "manifest.json").read_text())
+    manifest.update(format=2, dtype="float32", bytes=(entry / "embeddings.npy").stat().st_size)
+    (entry / "manifest.json").write_text(json.dumps(manifest))
+    age(entry, 10)
+    assert prune(tmp_path) == [f"freed 0 B in {tmp_path}"]
+    assert f"{key(1)}  format 2 (another distill version)  org/teacher-7b" in list_cache(tmp_path)
+    assert prune(tmp_path, unused_days=7)[0].endswith("unused for 10.0 days")
+    assert not entry.exists()

@@ -17,6 +17,7 @@ from accelerate import Accelerator
 import distill.cache as cache_module
 import distill.teacher as teacher_module
 from conftest import sentences
+from distill.cache import CACHE_FORMAT
 from distill.config import ModelConfig
 from distill.errors import DistillError
 from distill.teacher import TeacherCache, TeacherSpec, texts_fingerprint
@@ -104,6 +105,7 @@ def test_warm_cache_loads_no_teacher(
     np.testing.assert_array_equal(queries, first_queries)
     assert isinstance(docs, np.memmap) and not docs.flags.writeable
     assert manifest.stat().st_mtime > time.time() - 600  # a hit marks the entry used, for `distill.cache prune`
+    assert json.loads(manifest.read_text())["format"] == CACHE_FORMAT  # `prune` tells it from another version's
 
     # a miss with the teacher forbidden proves the warm hits above did not sneak around the loader
     with pytest.raises(AssertionError, match="the teacher was loaded"):
