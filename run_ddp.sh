@@ -39,6 +39,14 @@ if [[ -n "${ACCELERATE_CONFIG:-}" ]]; then  # optional topology file, e.g. accel
         echo "error: ACCELERATE_CONFIG '$ACCELERATE_CONFIG' does not exist; pass one of accelerate_configs/*.yaml" >&2
         exit 2
     fi
+    machines="$("$python" -c 'import sys; from accelerate.commands.config.config_args import load_config_from_file as load
+print(load(sys.argv[1]).num_machines or 1)' "$ACCELERATE_CONFIG")"
+    if ((machines > 1)); then
+        echo "error: ACCELERATE_CONFIG '$ACCELERATE_CONFIG' names $machines machines, but run_ddp.sh runs NUM_GPUS" \
+            "processes on this machine; on each machine run: accelerate launch --config_file $ACCELERATE_CONFIG" \
+            "--machine_rank R -m distill.train [flags] (README: Using it)" >&2
+        exit 2
+    fi
     launch+=(--config_file "$ACCELERATE_CONFIG")
 fi
 launch+=(--num_machines 1 --num_processes "$num_gpus")

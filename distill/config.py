@@ -255,7 +255,9 @@ class LaunchConfig:
         default=None, help="Processes to run on; when given after the module, distill relaunches itself."
     )
     accelerate_config: str | None = _opt(
-        default=None, help="accelerate config file (topology) used when distill relaunches itself."
+        default=None,
+        help="accelerate config file (one machine's topology): distill relaunches itself under it, on the file's "
+        "num_processes unless --num_processes is given.",
     )
     ddp_timeout: int = _opt(
         default=1800,

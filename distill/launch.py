@@ -75,15 +75,13 @@ def relaunch_command(
     """The `accelerate launch` command and environment that run this module on `num_processes` processes."""
     env = dict(os.environ, **{RELAUNCHED: "1"})
     command = [sys.executable, "-m", "accelerate.commands.launch"]
-    if accelerate_config:
+    if accelerate_config:  # the file names one machine (checked in maybe_relaunch)
         command += ["--config_file", accelerate_config]
-    command += [
-        "--num_processes",
-        str(num_processes),
-        "--num_machines",
-        "1",
-        "--multi_gpu",
-    ]
+    else:
+        command += ["--num_machines", "1"]
+    command += ["--num_processes", str(num_processes)]
+    if num_processes > 1:
+        command += ["--multi_gpu"]
     if not torch.cuda.is_available():
         env["ACCELERATE_USE_CPU"] = "true"
     return command + ["-m", "distill.train", *strip_flag(argv, "num_processes")], env
@@ -98,9 +96,34 @@ def check_num_processes(num_processes: int) -> None:
         )
 
 
+def config_file_topology(accelerate_config: str) -> tuple[int, int | None]:
+    """(machines, processes) an accelerate config file names; processes None when it leaves them open."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    settings = load_config_from_file(accelerate_config)
+    processes = int(settings.num_processes or 0)
+    return int(settings.num_machines or 1), processes if processes > 0 else None
+
+
 def maybe_relaunch(num_processes: int | None, argv: list[str], accelerate_config: str | None = None) -> int | None:
-    """Exit code of a relaunched run, or None when this process should train itself."""
+    """Exit code of a relaunched run, or None when this process should train itself.
+
+    With `accelerate_config`, a process not started by a launcher starts itself again under that file, on
+    its `num_processes` unless `--num_processes` is given. The relaunch runs on this machine only, so a file
+    that names several machines is an error that says how to launch each one.
+    """
     world = current_world_size()
+    if accelerate_config and world == 1 and not os.environ.get(RELAUNCHED):
+        machines, file_processes = config_file_topology(accelerate_config)
+        if machines > 1:
+            raise DistillError(
+                f"--accelerate_config {accelerate_config} names {machines} machines, but distill relaunches itself "
+                f"on this machine only; on each machine run `accelerate launch --config_file {accelerate_config} "
+                "--machine_rank R -m distill.train [flags]` (README: Using it), without --accelerate_config"
+            )
+        num_processes = num_processes or file_processes or 1
+        check_num_processes(num_processes)
+        return _relaunch(num_processes, argv, accelerate_config)
     if num_processes is None or num_processes == world:
         return None
     if world > 1 or os.environ.get(RELAUNCHED):
@@ -111,7 +134,11 @@ def maybe_relaunch(num_processes: int | None, argv: list[str], accelerate_config
     check_num_processes(num_processes)
     if num_processes == 1:
         return None
-    if not torch.cuda.is_available():
+    return _relaunch(num_processes, argv, accelerate_config)
+
+
+def _relaunch(num_processes: int, argv: list[str], accelerate_config: str | None) -> int:
+    if not torch.cuda.is_available() and num_processes > 1:
         print(
             f"distill: no CUDA GPU here: running {num_processes} CPU processes (gloo). This checks the "
             "distributed path but brings no speed-up over one process.",

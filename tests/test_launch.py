@@ -34,6 +34,31 @@ def test_relaunch_command_runs_this_module_on_n_processes_without_the_flag(monke
     assert env["ACCELERATE_USE_CPU"] == "true" and env[RELAUNCHED] == "1"
 
 
+def test_an_accelerate_config_sets_the_topology_of_the_relaunch(monkeypatch):
+    """The file's machine count is not overridden, its process count is used unless --num_processes is given."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv(RELAUNCHED, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    calls = []
+    monkeypatch.setattr(subprocess, "call", lambda command, **kwargs: calls.append(command) or 0)
+    config_dir = REPO / "accelerate_configs"
+    assert maybe_relaunch(None, ["--seed", "3"], str(config_dir / "cpu_2proc.yaml")) == 0
+    command = calls[-1]
+    assert command[command.index("--num_processes") + 1] == "2" and "--multi_gpu" in command
+    assert "--num_machines" not in command  # the file's, not a flag that overrides it
+    assert command[-4:] == ["-m", "distill.train", "--seed", "3"]
+    assert maybe_relaunch(None, [], str(config_dir / "single_gpu.yaml")) == 0  # one process: the file still applies
+    assert "--multi_gpu" not in calls[-1]
+    assert calls[-1][calls[-1].index("--config_file") + 1].endswith("single_gpu.yaml")
+    assert maybe_relaunch(3, [], str(config_dir / "cpu_2proc.yaml")) == 0
+    assert calls[-1][calls[-1].index("--num_processes") + 1] == "3"
+    with pytest.raises(DistillError, match=r"multi_node\.yaml names 2 machines, but distill relaunches itself on this"):
+        maybe_relaunch(16, [], str(config_dir / "multi_node.yaml"))
+    assert len(calls) == 3
+    monkeypatch.setenv(RELAUNCHED, "1")  # the relaunched process trains itself
+    assert maybe_relaunch(None, [], str(config_dir / "cpu_2proc.yaml")) is None
+
+
 def test_no_relaunch_when_already_at_the_asked_size(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert maybe_relaunch(2, []) is None
@@ -67,6 +92,17 @@ def test_run_ddp_validates_its_positional_arguments(args, message):
     done = subprocess.run(["bash", str(REPO / "run_ddp.sh"), *args], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert message in done.stderr
+
+
+def test_run_ddp_refuses_a_config_of_several_machines():
+    """Its --num_machines 1 would silently override the file's two machines."""
+    config = REPO / "accelerate_configs" / "multi_node.yaml"
+    env = dict(os.environ, PYTHON=sys.executable, ACCELERATE_CONFIG=str(config))
+    done = subprocess.run(
+        ["bash", str(REPO / "run_ddp.sh"), "2", "True"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 2
+    assert "multi_node.yaml' names 2 machines, but run_ddp.sh runs NUM_GPUS processes on this machine" in done.stderr
 
 
 @pytest.mark.multiprocess
