@@ -31,7 +31,7 @@ from distill.batching import map_sharded
 from distill.cache import CACHE_FORMAT, CacheWriter, read_entry, touch
 from distill.config import ModelConfig
 from distill.errors import DistillError
-from distill.hub import model_fingerprint, read_json, resolve_model, shipped_models_hint
+from distill.hub import _hub_snapshot, model_fingerprint, read_json, resolve_model, shipped_models_hint
 
 logger = get_logger(__name__)
 
@@ -141,7 +141,7 @@ def teacher_prompts(path: str, revision: str | None = None) -> dict[str, str]:
     """The teacher's prompts from its sentence-transformers config, read without loading its weights.
 
     A teacher without that file has none. Offline, a Hub teacher whose file is not in the local cache is
-    taken to have none, with a warning.
+    taken to have none, with a warning; a teacher that cannot be found at all is a DistillError saying so.
     """
     if Path(path).is_dir():
         return _prompts(read_json(Path(path) / "config_sentence_transformers.json"))
@@ -154,8 +154,9 @@ def teacher_prompts(path: str, revision: str | None = None) -> dict[str, str]:
         if not isinstance(e, LocalEntryNotFoundError):  # the teacher has no such file: no prompts
             return {}
         problem = e  # offline and not cached: unknown, not absent
-    except (OSError, ValueError) as e:  # offline, unreachable, or no such repo/revision (its loading says so)
+    except (OSError, ValueError) as e:  # offline, unreachable, or no such repo/revision
         problem = e
+    _hub_snapshot(path, revision)  # the model itself cannot be found: that one error line, not a warning first
     logger.warning(
         f"could not read the prompts of teacher {path!r} ({type(problem).__name__}); encoding with none. Pass "
         "--teacher_query_prompt and --teacher_document_prompt if it needs them",

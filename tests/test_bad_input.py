@@ -123,6 +123,19 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(case, tiny_models, tin
     assert not out.exists() or not any(out.iterdir()), sorted(out.rglob("*"))
 
 
+def test_unknown_offline_teacher_prints_only_its_error(tiny_models, tiny_data, tmp_path):
+    """The README's `--teacher_model org/unknown` offline: the one error line, no warning about its prompts first."""
+    out = tmp_path / "out"
+    flags = tiny_run_flags(tiny_models, tiny_data, out, teacher_model="org/unknown", teacher_cache_dir=tmp_path / "c")
+    env = dict(os.environ, HF_HUB_OFFLINE="1")  # a subprocess: pytest's log capture would hide a warning
+    done = subprocess.run(
+        [sys.executable, "-m", "distill.train", *flags], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: model 'org/unknown' cannot be found locally or on the Hub"), lines
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", ["missing data file", "output folder that is not writable"])
 def test_bad_input_on_two_processes_prints_one_error_line(case, tiny_models, tiny_data, tmp_path):

@@ -639,8 +639,20 @@ def test_hub_prompts_are_read_at_the_teachers_revision(
         raise LocalEntryNotFoundError("offline and not cached")
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    # the model itself is cached (its snapshot is found), only its prompts file is not: no prompts, with a warning
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *args, **kwargs: str(tmp_path))
     assert teacher_module.teacher_prompts("org/teacher", "v1") == {}
     assert len(warnings) == 1 and "could not read the prompts of teacher 'org/teacher'" in warnings[0]
+
+    # the model cannot be found at all: its one error, and no warning about prompts first ("encoding with none")
+    def not_cached(*args: object, **kwargs: object) -> str:
+        raise LocalEntryNotFoundError("offline and not cached")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", not_cached)
+    warnings.clear()
+    with pytest.raises(DistillError, match=r"model 'org/teacher' cannot be found locally or on the Hub"):
+        teacher_module.teacher_prompts("org/teacher", "v1")
+    assert warnings == []
 
     def broken(*args: object, **kwargs: object) -> str:
         raise RuntimeError("a bug, not a missing file")
