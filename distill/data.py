@@ -245,7 +245,7 @@ def _normalized_unique(texts: Iterable[Any], limit: int | None = None) -> tuple[
 
 
 def _report_dropped(what: str, bad: int, duplicates: int, kept: int) -> None:
-    if bad or duplicates:
+    if (bad or duplicates) and kept:  # none kept: the caller's error says so, as the run's one line
         logger.warning(
             f"{what}: dropped {bad} empty or non-string rows and {duplicates} duplicates; {kept} remain",
             main_process_only=True,

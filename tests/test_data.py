@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from accelerate import PartialState
 
+import distill.data as data_module
 from distill import embedded
 from distill.config import DataConfig
 from distill.data import (
@@ -180,18 +181,24 @@ def test_missing_columns_error_names_found_columns(tmp_path: Path) -> None:
         load_phase1_texts(str(numbers), 10)
 
 
-def test_phase1_with_nothing_usable(tmp_path: Path) -> None:
+def test_phase1_with_nothing_usable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    warnings = []
+    monkeypatch.setattr(data_module.logger, "warning", lambda message, **kwargs: warnings.append(message))
     path = tmp_path / "blank.txt"
     path.write_text("\n   \n\t\n")
     with pytest.raises(DistillError, match=r"phase-1 data .* has no usable text .*--skip_phase1"):
         load_phase1_texts(str(path), 10)
+    assert warnings == []  # the error is the one line (README), no "dropped 3 ...; 0 remain" before it
 
 
-def test_phase2_with_nothing_usable(tmp_path: Path) -> None:
+def test_phase2_with_nothing_usable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    warnings = []
+    monkeypatch.setattr(data_module.logger, "warning", lambda message, **kwargs: warnings.append(message))
     rows = [{"query": "", "passage": "p"}, {"query": "q", "passage": None}, {"query": 3, "passage": "x"}]
     path = write_jsonl(tmp_path / "pairs.jsonl", rows)
     with pytest.raises(DistillError, match=r"phase-2 data .* has no usable \(query, passage\) pair.*--skip_phase2"):
         load_pairs(str(path), 10, seed=0)
+    assert warnings == []
 
 
 # ---------------------------------------------------------------- negatives
