@@ -640,7 +640,7 @@ def run(config: Config) -> dict:
     results["world_size"] = world
     results["heap_allocator"] = heap_allocator()
     if accelerator.device.type == "cpu" and results["heap_allocator"] == "glibc":
-        logger.info(
+        logger.warning(  # shown: nothing sets up logging, so an info line would never be seen
             "heap allocator: glibc malloc, whose peak memory creeps up with the steps on a CPU; for a flat peak "
             "install libtcmalloc-minimal4 and launch through make or run_ddp.sh (see distill/allocator.py)",
             main_process_only=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -63,12 +64,15 @@ def assert_closer_to_the_teacher(results: dict) -> None:
     assert after > phase1 + 0.002, (phase1, after)
 
 
-def test_tiny_run_projection_mode_end_to_end(tiny_models, tiny_data, tmp_path):
+def test_tiny_run_projection_mode_end_to_end(tiny_models, tiny_data, tmp_path, caplog):
     out = tmp_path / "run"
     assert main(tiny_run_flags(tiny_models, tiny_data, out, save_to_artifacts=True)) == 0
     results = results_of(out)
     assert results["world_size"] == 1 and results["mode"] == "projection"
     assert results["heap_allocator"] == heap_allocator()
+    if results["heap_allocator"] == "glibc":  # README: a CPU run on glibc logs a line saying so (at a level shown)
+        notices = [r for r in caplog.records if "heap allocator: glibc malloc" in r.getMessage()]
+        assert notices and notices[0].levelno >= logging.WARNING, caplog.text
     for row in ("teacher", "student_before", "after_phase1", "student_after"):
         assert {"ndcg@10", "mrr@10"} <= set(results[row])
     for phase in ("phase1", "phase2"):
