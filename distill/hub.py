@@ -135,7 +135,7 @@ def model_fingerprint(path_or_name: str, revision: str | None = None, memo: Path
     """
     folder = Path(path_or_name)
     if not folder.is_dir():
-        folder = Path(_hub_snapshot(path_or_name, revision))
+        folder = Path(hub_snapshot(path_or_name, revision))
     if folder.parent.name == "snapshots" and HUB_COMMIT.fullmatch(folder.name):
         return f"hub:{folder.parent.parent.name}@{folder.name}"  # models--org--name@commit
     known = _read_memo(memo) if memo is not None else {}
@@ -183,7 +183,7 @@ def _write_memo(memo: Path, digests: dict) -> None:
         pass
 
 
-def _hub_snapshot(name: str, revision: str | None) -> str:
+def hub_snapshot(name: str, revision: str | None) -> str:
     """The local snapshot folder of a Hub model (downloaded if needed)."""
     from huggingface_hub import snapshot_download
 

@@ -31,7 +31,7 @@ from distill.batching import map_sharded
 from distill.cache import CACHE_FORMAT, CacheWriter, read_entry, touch
 from distill.config import ModelConfig
 from distill.errors import DistillError
-from distill.hub import _hub_snapshot, model_fingerprint, read_json, resolve_model, shipped_models_hint
+from distill.hub import hub_snapshot, model_fingerprint, read_json, resolve_model, shipped_models_hint
 
 logger = get_logger(__name__)
 
@@ -156,7 +156,7 @@ def teacher_prompts(path: str, revision: str | None = None) -> dict[str, str]:
         problem = e  # offline and not cached: unknown, not absent
     except (OSError, ValueError) as e:  # offline, unreachable, or no such repo/revision
         problem = e
-    _hub_snapshot(path, revision)  # the model itself cannot be found: that one error line, not a warning first
+    hub_snapshot(path, revision)  # the model itself cannot be found: that one error line, not a warning first
     logger.warning(
         f"could not read the prompts of teacher {path!r} ({type(problem).__name__}); encoding with none. Pass "
         "--teacher_query_prompt and --teacher_document_prompt if it needs them",
