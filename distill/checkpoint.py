@@ -10,8 +10,9 @@ A checkpoint is `<output_dir>/checkpoints/checkpoint-<phase>-<step>/` holding
 Data order needs no saved state: the batch sampler is a pure function of (seed, epoch), and resuming
 mid-epoch skips the batches already done (`skip_first_batches`).
 
-Accelerate's own RNG file and `register_for_checkpointing` store pickles that are loaded with
-`weights_only=False`; distill keeps its state in JSON and safetensors instead and never loads a pickle.
+Accelerate's own RNG file (`random_states_<rank>.pkl`) is read with `weights_only=True` (accelerate 1.15);
+`register_for_checkpointing` would store pickles loaded with `weights_only=False`, so distill keeps its own
+state in JSON and safetensors instead and never loads a pickle.
 Checkpoints are named by phase and step rather than by Accelerate's automatic counter, which
 `load_state` does not restore (accelerate issue 1601), so saving after a resume never collides.
 """
