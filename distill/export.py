@@ -52,18 +52,14 @@ def export_models(
     """
     root = Path(artifacts_dir).expanduser()
     student_dims = {"student": model.student_dim}  # no "output": no projection in the folder
-    if model.projection is None:
-        targets = {"model": (root / "model", deployable_model(model), model_card(settings, table, student_dims))}
-    else:
-        output_dims = {"student": model.student_dim, "output": model.projection.out_features}
+    model_dims = student_dims if model.projection is None else {**student_dims, "output": model.projection.out_features}
+    targets = {"model": (root / "model", deployable_model(model), model_card(settings, table, model_dims))}
+    if model.projection is not None:
         note = (
             f"This folder is the student at its own {model.student_dim} dimensions, without the projection "
             "(the folder `model` beside it has it): it scores as the `ndcg@10_student_dim` row."
         )
-        targets = {
-            "model": (root / "model", deployable_model(model), model_card(settings, table, output_dims)),
-            "student": (root / "student", model.student, model_card(settings, table, student_dims, note)),
-        }
+        targets["student"] = (root / "student", model.student, model_card(settings, table, student_dims, note))
     if accelerator.is_main_process:
         for path, sentence_transformer, card in targets.values():
             save_atomic(sentence_transformer, path, card)

@@ -13,6 +13,7 @@ next run with the same inputs instead of started over. The on-disk side (entries
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
@@ -207,11 +208,10 @@ class TeacherCache:
     def key(self, texts: list[str], role: Role) -> str:
         if self._model_key is None:
             memo = self.cache_dir.parent / f"{self.cache_dir.name}-fingerprints.json"  # beside the entries
-            if self.accelerator is None or self.accelerator.num_processes == 1:
+            alone = self.accelerator is None or self.accelerator.num_processes == 1
+            # collective: each machine's first process reads the weights, the others find its digests
+            with contextlib.nullcontext() if alone else self.accelerator.local_main_process_first():
                 self._model_key = model_fingerprint(self.spec.path, self.spec.revision, memo=memo)
-            else:  # collective: each machine's first process reads the weights, the others find its digests
-                with self.accelerator.local_main_process_first():
-                    self._model_key = model_fingerprint(self.spec.path, self.spec.revision, memo=memo)
         fields = {
             "format": CACHE_FORMAT,
             "model": self._model_key,
@@ -300,7 +300,8 @@ class TeacherCache:
             "teacher on a GPU with more memory"
         )
         ahead = tokenize_ahead(teacher.device)
-        done = rows_done_everywhere(self.accelerator, writer.resume() if writer else len(texts))
+        # the texts every machine's writer has marked done (non-writers pass the total)
+        done = smallest_everywhere(self.accelerator, writer.resume() if writer else len(texts))
         if done:
             logger.warning(
                 f"teacher cache: continuing an interrupted encoding at {done} of {len(texts)} {role} texts",
@@ -403,13 +404,12 @@ def token_lengths(model, texts: list[str], max_length: int | None, chunk_size: i
 
 def everyone_has(accelerator: Accelerator, has_entry: bool) -> bool:
     """Whether every process found the cache entry on its own disk (one process: whether it did)."""
+    return bool(smallest_everywhere(accelerator, int(has_entry)))
+
+
+def smallest_everywhere(accelerator: Accelerator, value: int) -> int:
+    """The smallest of every process's `value` (one gather; one process: its own)."""
     if accelerator.num_processes == 1:
-        return has_entry
-    flags = accelerator.gather(torch.tensor([int(has_entry)], dtype=torch.int64, device=accelerator.device))
-    return bool(flags.min())
-
-
-def rows_done_everywhere(accelerator: Accelerator, rows_done: int) -> int:
-    """The texts every machine's writer has marked done (non-writers pass the total): the smallest count."""
-    counts = accelerator.gather(torch.tensor([rows_done], dtype=torch.int64, device=accelerator.device))
-    return int(counts.min())
+        return value
+    values = accelerator.gather(torch.tensor([value], dtype=torch.int64, device=accelerator.device))
+    return int(values.min())

@@ -51,7 +51,7 @@ from distill.export import export_models
 from distill.hub import declared_dimension, resolve_model
 from distill.launch import current_world_size, join_group_of_this_attempt, maybe_relaunch, stop_with_the_launcher
 from distill.losses import LossWeights
-from distill.report import results_table, write_report, write_results
+from distill.report import ROWS, results_table, write_report, write_results
 from distill.student import (
     DistillationModel,
     add_rotation,
@@ -598,7 +598,7 @@ class PhaseEvaluation:
 def tracked_results(results: dict) -> dict[str, float]:
     """The run's evaluation rows as flat tracker scalars: `student_after/ndcg@10`, `teacher/matryoshka_ndcg@10/8`."""
     scalars = {}
-    for row in ("teacher", "student_before", "after_phase1", "student_after"):
+    for row in ROWS:
         for name, value in results.get(row, {}).items():
             if isinstance(value, dict):
                 scalars |= {f"{row}/{name}/{k}": v for k, v in value.items() if isinstance(v, (int, float))}
@@ -701,7 +701,7 @@ def run(config: Config) -> dict:
     if accelerator.is_main_process:
         try:
             write_report(output_dir, results)  # leaf writer: report.png and report.md
-        except Exception as e:  # the model and results.json are written: a failed figure must not fail the run
+        except Exception as e:  # the model and results.json are written: an unwritable report must not fail the run
             logger.warning(f"report not written ({type(e).__name__}: {e}); results.json holds every figure")
     accelerator.print(f"\n{table}\n\nresults: {path}")
     accelerator.wait_for_everyone()  # the group is torn down by all ranks together, not while rank 0 still writes

@@ -431,7 +431,6 @@ def train_phase(
         accelerator.step = state.accelerator_step  # keeps gradient-accumulation windows where they were
     else:
         state.start_phase(settings.name)
-    steps_before = state.global_step() - state.optimizer_steps  # earlier phases' steps: the trackers' x axis goes on
     _Preemption.install()
     wrapped.train()
     progress = tqdm(
@@ -506,7 +505,7 @@ def train_phase(
                 progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}", refresh=False)
                 accelerator.log(
                     {f"{settings.name}/loss": mean_loss, f"{settings.name}/lr": scheduler.get_last_lr()[0]},
-                    step=steps_before + state.optimizer_steps,
+                    step=state.global_step(),  # counted on over the phases: the trackers' x axis goes on
                 )
                 if terminated or interrupted:  # decided collectively (batch_verdict): every rank stops at the same step
                     name, code = ("SIGTERM", 143) if terminated else ("SIGINT", 130)
