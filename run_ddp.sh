@@ -32,7 +32,11 @@ if [[ -z "$python" ]]; then
     if [[ -x "$here/.venv/bin/python" ]]; then python="$here/.venv/bin/python"; else python="python3"; fi
 fi
 
-gpus="$("$python" -c 'import torch; print(torch.cuda.device_count())')"
+# the number of CUDA GPUs and the lowest compute capability among them (major version; 0 without GPUs)
+cuda="$("$python" -c 'import torch
+n = torch.cuda.device_count()
+print(n, min((torch.cuda.get_device_capability(i)[0] for i in range(n)), default=0))')"
+read -r gpus capability <<<"$cuda"
 launch=(-m accelerate.commands.launch)
 if [[ -n "${ACCELERATE_CONFIG:-}" ]]; then  # optional topology file, e.g. accelerate_configs/multi_gpu.yaml
     if [[ ! -f "$ACCELERATE_CONFIG" ]]; then
@@ -55,7 +59,15 @@ if ((gpus > 0)); then
         echo "error: asked for $num_gpus GPUs but $gpus are visible; pass at most $gpus or set CUDA_VISIBLE_DEVICES" >&2
         exit 2
     fi
-    launch+=(--mixed_precision bf16)
+    if [[ -n "${ACCELERATE_CONFIG:-}" ]]; then
+        : # the file's mixed_precision holds (a --mixed_precision flag to distill overrides it)
+    elif ((capability >= 8)); then
+        launch+=(--mixed_precision bf16)
+    else  # bf16 runs emulated, several times slower, before Ampere (compute capability 8.0): T4, V100
+        echo "note: GPU compute capability $capability.x has no native bf16: training in fp16 mixed precision" \
+            "(pass --mixed_precision bf16 or no to choose otherwise)" >&2
+        launch+=(--mixed_precision fp16)
+    fi
 else
     echo "note: no CUDA GPU found: running $num_gpus CPU process(es) over gloo; this brings no speed-up" >&2
     export ACCELERATE_USE_CPU=true

@@ -105,6 +105,45 @@ def test_run_ddp_refuses_a_config_of_several_machines():
     assert "multi_node.yaml' names 2 machines, but run_ddp.sh runs NUM_GPUS processes on this machine" in done.stderr
 
 
+FAKE_PYTHON = """#!/usr/bin/env bash
+# stands in for the venv's python: reports FAKE_CUDA as (GPUs, compute capability) and prints the launch
+if [[ "$1" == "-c" && "$2" == *get_device_capability* ]]; then echo "$FAKE_CUDA"; exit 0; fi
+if [[ "$1" == "-c" && "$2" == *device_count* ]]; then echo "${{FAKE_CUDA%% *}}"; exit 0; fi  # the count alone
+if [[ "$1" == "-m" && "$2" == "accelerate.commands.launch" ]]; then shift 2; echo "LAUNCH $*"; exit 0; fi
+exec {python} "$@"
+"""
+
+
+@pytest.mark.parametrize(
+    ("cuda", "config", "precision", "note"),
+    [
+        ("8 9", None, "--mixed_precision bf16", False),  # H100
+        ("8 8", None, "--mixed_precision bf16", False),  # A100
+        ("8 7", None, "--mixed_precision fp16", True),  # V100 / T4: bf16 would run emulated
+        ("8 9", "single_gpu.yaml", None, False),  # the file's precision holds
+    ],
+)
+def test_run_ddp_picks_the_mixed_precision_the_gpus_have(tmp_path, cuda, config, precision, note):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
+    fake.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(fake), FAKE_CUDA=cuda)
+    env.pop("ACCELERATE_CONFIG", None)
+    if config:
+        env["ACCELERATE_CONFIG"] = str(REPO / "accelerate_configs" / config)
+    done = subprocess.run(
+        ["bash", str(REPO / "run_ddp.sh"), "2", "True"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    launch = done.stdout.strip()
+    assert launch.startswith("LAUNCH ") and "--num_processes 2" in launch and "--multi_gpu -m distill.train" in launch
+    if precision:
+        assert precision in launch
+    else:
+        assert "--mixed_precision" not in launch and "--config_file" in launch
+    assert ("no native bf16: training in fp16" in done.stderr) == note
+
+
 @pytest.mark.multiprocess
 def test_run_ddp_without_gpus_runs_cpu_processes(tiny_models, tiny_data, tmp_path):
     out = tmp_path / "run_ddp"
