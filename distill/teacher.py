@@ -355,30 +355,58 @@ class TeacherCache:
 
 
 def mine_hard_negatives(
-    queries: np.ndarray, passages: np.ndarray, count: int, margin: float = 0.05, chunk_size: int = 1024
+    queries: np.ndarray,
+    passages: np.ndarray,
+    count: int,
+    margin: float = 0.05,
+    chunk_size: int = 1024,
+    passage_ids: np.ndarray | None = None,
+    device: torch.device | str = "cpu",
 ) -> np.ndarray:
     """For query i (whose positive is passage i), the `count` passages the teacher ranks highest among the rest.
 
-    Passages scoring above (1 - margin) x the positive's own score are skipped: they are more likely
-    unlabelled positives than negatives (sentence-transformers' `relative_margin`). Exhaustive, O(n^2 d)
-    on the cached vectors. Returns (len(queries), count) passage indices.
+    Passages scoring above the positive's own score less `margin` x its magnitude are skipped: they are more
+    likely unlabelled positives than negatives (sentence-transformers' `relative_margin`, sign-safe as there).
+    A query left with fewer than `count` passages below that line gets the highest-scoring skipped ones to make
+    up its count (a warning says for how many queries), never its positive. `passage_ids` (equal for identical
+    texts) keeps a text several pairs share from being mined for a query whose positive it is, or twice for one
+    query. Exhaustive, O(n^2 d) on the cached vectors, on `device`: a launcher gives each GPU process one CPU thread
+    (OMP_NUM_THREADS=1), at which 500k pairs of a 3584-d teacher would take hours. Returns (len(queries), count)
+    passage indices.
     """
-    if len(passages) <= count:
+    ids = np.arange(len(passages)) if passage_ids is None else np.asarray(passage_ids, dtype=np.int64)
+    distinct, first_rows = np.unique(ids, return_index=True)
+    if len(distinct) <= count:
         raise DistillError(
-            f"mine_hard_negatives {count} needs more than {count} passages, the data has {len(passages)}; "
-            "lower --mine_hard_negatives or give more pairs"
+            f"mine_hard_negatives {count} needs more than {count} passages of distinct text, the data has "
+            f"{len(distinct)}; lower --mine_hard_negatives or give more pairs"
         )
+    ids_of = torch.from_numpy(ids).to(device)
+    repeated = torch.ones(len(passages), dtype=torch.bool, device=device)  # every row but the first of each text
+    repeated[torch.from_numpy(first_rows).to(device)] = False
     mined = np.zeros((len(queries), count), dtype=np.int64)
+    relaxed = 0  # queries that took passages within the margin to make up their count
     # the cache's float16 vectors are widened once, not once per chunk of queries (a full copy each time)
-    candidates = torch.from_numpy(np.asarray(passages, dtype=np.float32)).T
+    candidates = torch.from_numpy(np.asarray(passages, dtype=np.float32)).to(device).T
     for start in range(0, len(queries), chunk_size):
-        q = torch.from_numpy(np.asarray(queries[start : start + chunk_size], dtype=np.float32))
+        q = torch.from_numpy(np.asarray(queries[start : start + chunk_size], dtype=np.float32)).to(device)
         scores = q @ candidates  # (chunk, passages)
-        own = torch.arange(start, start + len(q))
-        positive = scores[torch.arange(len(q)), own].clone()
-        scores[torch.arange(len(q)), own] = float("-inf")
-        scores[scores > (1 - margin) * positive[:, None]] = float("-inf")
-        mined[start : start + len(q)] = torch.topk(scores, count, dim=1).indices.numpy()
+        own = torch.arange(start, start + len(q), device=device)
+        positive = scores[torch.arange(len(q), device=device), own]
+        threshold = positive - positive.abs() * margin  # (chunk,); (1 - margin) x positive would rise when it is < 0
+        within = scores > threshold[:, None]  # likely unlabelled positives
+        # below the threshold first, then (only for a query short of those) the skipped ones, each by score
+        ranking = torch.where(within, scores - (scores.max() - scores.min() + 1), scores)
+        ranking.masked_fill_(repeated[None, :] | (ids_of[None, :] == ids_of[own][:, None]), float("-inf"))
+        top = torch.topk(ranking, count, dim=1).indices  # (chunk, count); finite: > count distinct texts
+        relaxed += int(within.gather(1, top).any(dim=1).sum())
+        mined[start : start + len(q)] = top.cpu().numpy()
+    if relaxed:
+        logger.warning(
+            f"mine_hard_negatives {count}: {relaxed} of {len(queries)} queries have fewer than {count} other passages "
+            f"the teacher scores at least {margin:.0%} below their positive; they also got the highest-scoring closer "
+            "ones (likelier unlabelled positives)"
+        )
     return mined
 
 

@@ -251,7 +251,11 @@ def embed_with_teacher(accelerator: Accelerator, config: Config, data: DistillDa
         queries = cache.embeddings(data.phase2.queries, "query")
         passages = cache.embeddings(texts, "document")
         if config.data.mine_hard_negatives and rows.shape[1] == 1:  # the data brings no negatives of its own
-            mined = mine_hard_negatives(queries, passages, config.data.mine_hard_negatives)
+            first_row: dict[str, int] = {}  # identical texts share an id: a copy of a positive is not its negative
+            ids = np.array([first_row.setdefault(text, len(first_row)) for text in texts], dtype=np.int64)
+            mined = mine_hard_negatives(
+                queries, passages, config.data.mine_hard_negatives, passage_ids=ids, device=accelerator.device
+            )
             rows = np.concatenate([rows, mined], axis=1)  # negatives are other pairs' passages: nothing to encode
         if config.data.topic_cluster_size:  # a pair is its query plus its positive passage
             size, seed, positives = config.data.topic_cluster_size, config.training.seed, rows[:, 0]

@@ -313,6 +313,53 @@ def test_mining_skips_near_duplicates_of_the_positive_and_needs_enough_passages(
         mine_hard_negatives(passages, passages, count=4)
 
 
+def test_mining_never_returns_the_positive_or_a_copy_of_it(
+    accelerator: Accelerator, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Too few passages below the margin were made up with arbitrary skipped ones: query 2 got its own positive."""
+    from distill.teacher import mine_hard_negatives
+
+    passages = np.eye(4, dtype=np.float32)
+    passages[1] = passages[2] = passages[0]  # three pairs share one passage text
+    mined = mine_hard_negatives(passages.copy(), passages, count=2, margin=0.05)  # by score alone, no text ids
+    assert all(i not in row for i, row in enumerate(mined))
+    assert "3 of 4 queries have fewer than 2 other passages the teacher scores at least 5% below" in caplog.text
+    ids = np.array([0, 0, 0, 1])
+    mined = mine_hard_negatives(passages.copy(), passages, count=1, margin=0.05, passage_ids=ids)
+    assert mined[:3, 0].tolist() == [3, 3, 3] and mined[3, 0] == 0  # one row of the shared text, never its copies
+    with pytest.raises(DistillError, match="mine_hard_negatives 2 needs more than 2 passages of distinct text, the "):
+        mine_hard_negatives(passages.copy(), passages, count=2, margin=0.05, passage_ids=ids)
+
+
+def test_mining_skips_copies_of_the_positive_whatever_the_sign_of_its_score(accelerator: Accelerator) -> None:
+    """(1 - margin) x a negative positive score lies above it, so a copy of the positive used to pass the margin."""
+    from distill.teacher import mine_hard_negatives
+
+    passages = np.eye(5, dtype=np.float32)
+    passages[1] = passages[0]  # a copy of query 0's positive
+    queries = passages.copy()
+    queries[0] = -0.5 * passages[0] + 0.3 * passages[2] - 0.8 * passages[4]  # its positive scores -0.5
+    mined = mine_hard_negatives(queries, passages, count=1, margin=0.05)  # by score alone, no text ids
+    assert mined[0, 0] == 4  # the one passage scoring below the positive; it used to get the copy (-0.5)
+    mined = mine_hard_negatives(queries, passages, count=1, margin=0.0, passage_ids=np.array([0, 0, 1, 2, 3]))
+    assert mined[0, 0] == 4  # with ids, the copy is out even without a margin
+    queries[0] = -0.5 * passages[0] + 0.3 * passages[2] + 0.2 * passages[3]  # nothing scores below the positive
+    mined = mine_hard_negatives(queries, passages, count=1, margin=0.05)
+    assert mined[0, 0] == 2  # the highest-scoring skipped passage, not the copy
+
+
+def test_mining_takes_a_text_shared_by_several_pairs_once() -> None:
+    from distill.teacher import mine_hard_negatives
+
+    passages = np.eye(6, dtype=np.float32)
+    passages[2] = passages[1]  # pairs 1 and 2 share a passage
+    queries = passages.copy()
+    queries[0] = passages[0] + 0.5 * passages[1] + 0.2 * passages[3]
+    queries[0] /= np.linalg.norm(queries[0])
+    mined = mine_hard_negatives(queries, passages, count=2, margin=0.05, passage_ids=np.array([0, 1, 1, 2, 3, 4]))
+    assert mined[0].tolist() == [1, 3]  # not [1, 2]: the same text twice
+
+
 def test_teacher_seconds_count_the_loading_once(
     accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

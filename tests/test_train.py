@@ -383,7 +383,16 @@ def test_train_seconds_leave_out_evaluations_and_checkpoints(tiny_models, tiny_d
     assert stats["train_seconds"] < in_training / 2, stats["train_seconds"]
 
 
-def test_mined_hard_negatives_join_phase_two_without_re_encoding(tiny_models, tiny_data, tmp_path):
+def test_mined_hard_negatives_join_phase_two_without_re_encoding(tiny_models, tiny_data, tmp_path, monkeypatch):
+    import distill.train as train_module
+
+    devices = []
+
+    def mine(*args, real=train_module.mine_hard_negatives, **kwargs):  # noqa: ANN001, ANN202
+        devices.append(kwargs.get("device"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "mine_hard_negatives", mine)
     out = tmp_path / "mined"
     pairs = tmp_path / "pairs.jsonl"  # the tiny pairs without their negative column
     rows = [json.loads(line) for line in Path(tiny_data["pairs"]).read_text().splitlines()]
@@ -395,6 +404,8 @@ def test_mined_hard_negatives_join_phase_two_without_re_encoding(tiny_models, ti
     train_pairs = len(rows) - 16  # 16 pairs are held out for evaluation
     assert train_pairs in counts and 3 * train_pairs not in counts  # negatives reuse passages: nothing re-encoded
     assert results_of(out)["phases"]["phase2"]["optimizer_steps"] > 0
+    # on the accelerator's device: a launcher leaves each GPU process one CPU thread, too few for O(n^2 d)
+    assert devices == [torch.device("cpu")]
 
 
 def test_teacher_batch_size_sets_the_teachers_batches_only(tiny_models, tiny_data, tmp_path, monkeypatch):
