@@ -250,13 +250,6 @@ def embed_with_teacher(accelerator: Accelerator, config: Config, data: DistillDa
         texts, rows = passage_texts(data.phase2)
         queries = cache.embeddings(data.phase2.queries, "query")
         passages = cache.embeddings(texts, "document")
-        if config.data.mine_hard_negatives and rows.shape[1] == 1:  # the data brings no negatives of its own
-            first_row: dict[str, int] = {}  # identical texts share an id: a copy of a positive is not its negative
-            ids = np.array([first_row.setdefault(text, len(first_row)) for text in texts], dtype=np.int64)
-            mined = mine_hard_negatives(
-                queries, passages, config.data.mine_hard_negatives, passage_ids=ids, device=accelerator.device
-            )
-            rows = np.concatenate([rows, mined], axis=1)  # negatives are other pairs' passages: nothing to encode
         if config.data.topic_cluster_size:  # a pair is its query plus its positive passage
             size, seed, positives = config.data.topic_cluster_size, config.training.seed, rows[:, 0]
 
@@ -276,7 +269,32 @@ def embed_with_teacher(accelerator: Accelerator, config: Config, data: DistillDa
     loaded = cache.loaded
     cache.release()
     release_freed_memory()  # the teacher's freed weights and activations go back to the OS
+    if len(data.phase2) and config.data.mine_hard_negatives and rows.shape[1] == 1:  # the data brings none
+        # after the teacher is gone: on a GPU the search needs the device memory the teacher held
+        rows = np.concatenate([rows, mined_negatives(accelerator, config, texts, queries, passages)], axis=1)
     return TeacherVectors(phase1, queries, passages, rows, topics, evaluation, seconds, loaded, cache.load_seconds)
+
+
+def mined_negatives(
+    accelerator: Accelerator, config: Config, texts: list[str], queries: np.ndarray, passages: np.ndarray
+) -> np.ndarray:
+    """The teacher's hardest negatives for each pair, other pairs' passages (nothing more to encode).
+
+    On the accelerator's device; a GPU that runs out of memory for the exhaustive search hands it to the CPU.
+    """
+    first_row: dict[str, int] = {}  # identical texts share an id: a copy of a positive is not its negative
+    ids = np.array([first_row.setdefault(text, len(first_row)) for text in texts], dtype=np.int64)
+    count = config.data.mine_hard_negatives
+    try:
+        return mine_hard_negatives(queries, passages, count, passage_ids=ids, device=accelerator.device)
+    except torch.OutOfMemoryError:
+        release_freed_memory()
+        logger.warning(
+            f"mine_hard_negatives: {len(passages):,} passages do not fit in {accelerator.device}'s free memory; "
+            "searching on the CPU instead (slower)",
+            main_process_only=False,  # each process mines on its own device, and may run out alone
+        )
+        return mine_hard_negatives(queries, passages, count, passage_ids=ids, device="cpu")
 
 
 def build_student(

@@ -8,10 +8,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from accelerate import PartialState
 from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer
 
@@ -386,13 +388,19 @@ def test_train_seconds_leave_out_evaluations_and_checkpoints(tiny_models, tiny_d
 def test_mined_hard_negatives_join_phase_two_without_re_encoding(tiny_models, tiny_data, tmp_path, monkeypatch):
     import distill.train as train_module
 
-    devices = []
+    devices, events = [], []
 
     def mine(*args, real=train_module.mine_hard_negatives, **kwargs):  # noqa: ANN001, ANN202
         devices.append(kwargs.get("device"))
+        events.append("mine")
         return real(*args, **kwargs)
 
+    def release(cache, real=train_module.TeacherCache.release):  # noqa: ANN001, ANN202
+        events.append("release teacher")
+        return real(cache)
+
     monkeypatch.setattr(train_module, "mine_hard_negatives", mine)
+    monkeypatch.setattr(train_module.TeacherCache, "release", release)
     out = tmp_path / "mined"
     pairs = tmp_path / "pairs.jsonl"  # the tiny pairs without their negative column
     rows = [json.loads(line) for line in Path(tiny_data["pairs"]).read_text().splitlines()]
@@ -406,6 +414,28 @@ def test_mined_hard_negatives_join_phase_two_without_re_encoding(tiny_models, ti
     assert results_of(out)["phases"]["phase2"]["optimizer_steps"] > 0
     # on the accelerator's device: a launcher leaves each GPU process one CPU thread, too few for O(n^2 d)
     assert devices == [torch.device("cpu")]
+    assert events == ["release teacher", "mine"]  # on a GPU the search takes the memory the teacher held
+
+
+def test_mining_that_runs_out_of_device_memory_goes_on_on_the_cpu(monkeypatch):
+    import distill.train as train_module
+
+    devices = []
+
+    def mine(*args, real=train_module.mine_hard_negatives, **kwargs):  # noqa: ANN001, ANN202
+        devices.append(str(kwargs["device"]))
+        if kwargs["device"] != "cpu":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.81 GiB")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "mine_hard_negatives", mine)
+    PartialState(cpu=True)  # the warning goes through Accelerate's logger
+    vectors = torch.nn.functional.normalize(torch.randn(12, 8), dim=1).numpy().astype(np.float16)
+    config = SimpleNamespace(data=SimpleNamespace(mine_hard_negatives=3))
+    texts = [f"passage {i}" for i in range(12)]
+    mined = train_module.mined_negatives(SimpleNamespace(device="cuda:0"), config, texts, vectors, vectors)
+    assert devices == ["cuda:0", "cpu"]
+    assert mined.shape == (12, 3) and not (mined == np.arange(12)[:, None]).any()  # never the own positive
 
 
 def test_teacher_batch_size_sets_the_teachers_batches_only(tiny_models, tiny_data, tmp_path, monkeypatch):
