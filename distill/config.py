@@ -85,7 +85,7 @@ class ModelConfig:
     )
     matryoshka_dims: list[int] | None = _opt(
         default=None,
-        help="MRL mode: comma-separated dims the loss also trains (default: dim, dim/2, dim/4).",
+        help="MRL mode: dims the loss also trains, comma- or space-separated (default: dim, dim/2, dim/4).",
     )
     matryoshka_basis: str = _opt(
         default="pca",
@@ -352,9 +352,17 @@ def _closest(name: str) -> str:
     return f"; did you mean '{match[0]}'?" if match else "; valid keys are listed by --help"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises DistillError (one line, with the other problems) instead of printing its usage."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        hint = "give the flag its value (--name VALUE, or --name=VALUE for one starting with '-')"
+        raise DistillError(f"{message}; {hint}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The flag parser; every default is suppressed so only flags the user typed override the YAML."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m distill.train",
         description="Distill a text-embedding teacher into a small SentenceTransformer student, in two phases.",
         argument_default=argparse.SUPPRESS,
@@ -368,6 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
         if _base_type(leaf.type) is bool:
             # `--skip_phase1` alone means True; `--skip_phase1 False` is accepted too.
             parser.add_argument(f"--{leaf.flag}", nargs="?", const="True", metavar="BOOL", help=helptext)
+        elif typing.get_origin(_base_type(leaf.type)) is list:  # `64,32` and `64 32` alike
+            parser.add_argument(f"--{leaf.flag}", nargs="+", metavar=leaf.flag.split("_")[-1].upper(), help=helptext)
         else:
             parser.add_argument(f"--{leaf.flag}", metavar=leaf.flag.split("_")[-1].upper(), help=helptext)
     return parser
@@ -377,15 +387,35 @@ def load_config(argv: list[str] | None = None) -> Config:
     """Resolve defaults < YAML < flags into a validated Config; raises DistillError listing every problem."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        flag = next((u for u in unknown if u.startswith("-")), unknown[0])
-        raise DistillError(f"unknown argument '{flag}'{_closest(flag.lstrip('-').split('=')[0])}")
+    problems = unknown_arguments(unknown)
     values: dict[str, Any] = {}
     config_file = getattr(args, "config", None)
     if config_file:
-        values.update(read_yaml(config_file))
-    values.update({k: v for k, v in vars(args).items() if k != "config"})
-    return build_config(values)
+        try:
+            values.update(read_yaml(config_file))
+        except DistillError as e:
+            problems.append(str(e))
+    for key, value in vars(args).items():
+        if key != "config":
+            values[key] = ",".join(value) if isinstance(value, list) else value  # a list flag's `64 32`
+    return build_config(values, problems)
+
+
+def unknown_arguments(unknown: list[str]) -> list[str]:
+    """One problem per unknown flag (its value, if any, skipped) and per value that follows no flag."""
+    problems, after_flag = [], False
+    for arg in unknown:
+        if arg.startswith("-"):
+            problems.append(f"unknown argument '{arg}'{_closest(arg.lstrip('-').split('=')[0])}")
+            after_flag = "=" not in arg
+        elif after_flag:
+            after_flag = False  # the unknown flag's value
+        else:
+            problems.append(
+                f"unexpected value '{arg}': it follows no flag, and each flag takes one value; "
+                "quote a value that holds spaces"
+            )
+    return problems
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
@@ -402,10 +432,13 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
-def build_config(values: dict[str, Any]) -> Config:
-    """Apply flat flag-named values on top of the defaults and validate the result."""
+def build_config(values: dict[str, Any], problems: list[str] | None = None) -> Config:
+    """Apply flat flag-named values on top of the defaults and validate the result.
+
+    `problems`: ones found before (unknown flags, an unreadable YAML), reported with the rest in one error.
+    """
     config = Config()
-    problems = []
+    problems = list(problems or [])
     for key, value in values.items():
         leaf = FLAGS.get(key)
         if leaf is None:

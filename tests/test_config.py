@@ -79,6 +79,30 @@ def test_unknown_flag_far_from_everything_points_to_help() -> None:
         load_config(["--zzzzzzzzzzzz", "1"])
 
 
+def test_every_unknown_flag_is_reported_with_the_other_problems(tmp_path: Path) -> None:
+    """One run of the command shows every mistake: each unknown flag, a stray value, a missing YAML, bad values."""
+    argv = ["--phase1_lrr", "1", "--batchsize=4", "--config", str(tmp_path / "nope.yaml"), "--seed", "abc"]
+    with pytest.raises(DistillError) as info:
+        load_config([*argv, "--phase2_lr", "-1", "--skip_phase1", "True", "extra"])
+    message = str(info.value)
+    for expected in (
+        "unknown argument '--phase1_lrr'; did you mean 'phase1_lr'?",
+        "unknown argument '--batchsize=4'; did you mean 'batch_size'?",
+        "config file '" + str(tmp_path / "nope.yaml") + "' does not exist",
+        "seed: expected int, got 'abc'",
+        "phase2_lr: expected a number greater than 0, got -1.0",
+        "unexpected value 'extra': it follows no flag",
+    ):
+        assert expected in message
+    assert "'1'" not in message  # the unknown flag's own value is not a second problem
+
+
+def test_a_flag_without_its_value_is_one_line_not_a_usage_dump() -> None:
+    with pytest.raises(DistillError, match=r"^argument --teacher_model: expected one argument; give the flag its"):
+        load_config(["--teacher_model"])
+    assert load_config(["--teacher_query_prompt=-x"]).model.teacher_query_prompt == "-x"
+
+
 def test_unknown_yaml_key_names_closest_valid_key(tmp_path: Path) -> None:
     path = write_yaml(tmp_path / "typo.yaml", {"lerning_rate": 1, "phase2_epoch": 2})
     with pytest.raises(DistillError, match=r"unknown config key 'phase2_epoch'; did you mean 'phase2_epochs'"):
@@ -236,6 +260,8 @@ def test_matryoshka_dims_parsing(tmp_path: Path) -> None:
     assert load_config([*mrl, "384,192"]).model.matryoshka_dims == [384, 192]
     assert load_config([*mrl, "384"]).model.matryoshka_dims == [384]
     assert load_config([*mrl, "64,32,"]).model.matryoshka_dims == [64, 32]
+    assert load_config([*mrl, "64", "32"]).model.matryoshka_dims == [64, 32]  # space-separated, as `nargs="+"`
+    assert load_config([*mrl, "64,", "32"]).model.matryoshka_dims == [64, 32]
     assert load_config([*mrl, "None"]).model.matryoshka_dims is None
     assert load_config(["--matryoshka_dims", "None"]).model.matryoshka_dims is None  # projection mode: nothing set
     path = write_yaml(tmp_path / "c.yaml", {"use_projection": False, "matryoshka_dims": [256, 128, 64]})
