@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -311,6 +312,13 @@ def _base_type(tp: Any) -> Any:
     return tp
 
 
+def _integer(value: Any) -> int:
+    """An int from a flag's text or a YAML number; a YAML bool or a fractional number is a ValueError."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError
+    return int(value)
+
+
 def _convert(leaf: _Leaf, value: Any) -> Any:
     """Turn a YAML or command-line value into the field's type, or raise DistillError."""
     optional = type(None) in typing.get_args(leaf.type)
@@ -321,6 +329,13 @@ def _convert(leaf: _Leaf, value: Any) -> Any:
         if optional:
             return None
         raise DistillError(f"{leaf.flag}: expected a value, got nothing; give it a {getattr(tp, '__name__', tp)}")
+    if tp is str and isinstance(value, bool):
+        if value is False and leaf.choices and "no" in leaf.choices:
+            return "no"  # YAML 1.1 reads an unquoted `mixed_precision: no` as false
+        raise DistillError(f"{leaf.flag}: expected a text, got the YAML boolean {value}; quote it in the YAML file")
+    if tp is not bool and typing.get_origin(tp) is not list and isinstance(value, (list, dict)):
+        kind = "a list" if isinstance(value, list) else "a mapping"
+        raise DistillError(f"{leaf.flag}: expected a single value, got {kind}: {value!r}")
     try:
         if tp is bool:
             if isinstance(value, bool):
@@ -332,19 +347,23 @@ def _convert(leaf: _Leaf, value: Any) -> Any:
             raise ValueError
         if typing.get_origin(tp) is list:
             items = value if isinstance(value, list) else [v for v in str(value).split(",") if v.strip()]
-            return [int(v) for v in items]
+            return [_integer(v) for v in items]
         if tp is int:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(value)
+            return _integer(value)
         if tp is float:
-            return float(value)
-        return str(value)
+            if isinstance(value, bool):
+                raise ValueError
+            number = float(value)
+        else:
+            return str(value)
     except (TypeError, ValueError):
         kind = "True or False" if tp is bool else getattr(tp, "__name__", str(tp))
         if typing.get_origin(tp) is list:  # `list[int].__name__` is just "list"
             kind = "a list of integers like 384,192"
         raise DistillError(f"{leaf.flag}: expected {kind}, got {value!r}") from None
+    if not math.isfinite(number):  # nan passes every `< 0` check below and poisons the loss
+        raise DistillError(f"{leaf.flag}: expected a finite number, got {value!r}")
+    return number
 
 
 def _closest(name: str) -> str:

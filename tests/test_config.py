@@ -204,6 +204,38 @@ def test_integer_valued_float_from_yaml_is_accepted(tmp_path: Path) -> None:
         load_config(["--config", str(path)])
 
 
+def test_yaml_values_of_the_wrong_kind_are_not_coerced(tmp_path: Path) -> None:
+    """A YAML bool is no int, a list no path, a fraction no dimension, nan no weight: each says so."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "batch_size: true\nphase1_data: [a.txt, b.txt]\nstudent_model: {name: x}\nteacher_revision: yes\n"
+        "use_projection: false\nmatryoshka_dims: [64.5, 32]\nkl_weight: .nan\nmax_grad_norm: .inf\n"
+    )
+    with pytest.raises(DistillError) as info:
+        load_config(["--config", str(path)])
+    message = str(info.value)
+    for expected in (
+        "batch_size: expected int, got True",
+        "phase1_data: expected a single value, got a list: ['a.txt', 'b.txt']",
+        "student_model: expected a single value, got a mapping",
+        "teacher_revision: expected a text, got the YAML boolean True; quote it in the YAML file",
+        "matryoshka_dims: expected a list of integers like 384,192, got [64.5, 32]",
+        "kl_weight: expected a finite number, got nan",
+        "max_grad_norm: expected a finite number, got inf",
+    ):
+        assert expected in message
+    with pytest.raises(DistillError, match=r"phase1_lr: expected a finite number, got 'inf'"):
+        load_config(["--phase1_lr", "inf"])
+
+
+@pytest.mark.parametrize("spelling", ["no", "off", "'no'"])
+def test_unquoted_mixed_precision_no_in_yaml_means_no(spelling: str, tmp_path: Path) -> None:
+    """YAML 1.1 reads `mixed_precision: no` as false; it means the choice 'no', as in accelerate's own files."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"mixed_precision: {spelling}\n")
+    assert load_config(["--config", str(path)]).training.mixed_precision == "no"
+
+
 def test_several_problems_reported_together(tmp_path: Path) -> None:
     path = write_yaml(tmp_path / "bad.yaml", {"batch_sise": 4, "phase2_epochs": 0})
     argv = ["--config", str(path), "--batch_size", "0", "--phase1_lr", "-1", "--mixed_precision", "fp32"]
