@@ -303,6 +303,7 @@ def _leaves() -> list[_Leaf]:
 
 LEAVES = _leaves()
 FLAGS = {leaf.flag: leaf for leaf in LEAVES}
+SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
 
 
 def _base_type(tp: Any) -> Any:
@@ -460,8 +461,11 @@ def build_config(values: dict[str, Any], problems: list[str] | None = None) -> C
     problems = list(problems or [])
     for key, value in values.items():
         leaf = FLAGS.get(key)
+        if leaf is None and key in SECTIONS and isinstance(value, dict):
+            problems.append(_nested_section(key, value))
+            continue
         if leaf is None:
-            problems.append(f"unknown config key '{key}'{_closest(key)}")
+            problems.append(f"unknown config key '{key}'{_closest(str(key))}")
             continue
         try:
             setattr(getattr(config, leaf.section), leaf.name, _convert(leaf, value))
@@ -471,6 +475,16 @@ def build_config(values: dict[str, Any], problems: list[str] | None = None) -> C
     if problems:
         raise DistillError("; ".join(problems))
     return config
+
+
+def _nested_section(section: str, values: dict) -> str:
+    """The fix for a YAML that nests keys under a section of the tree (`phase1: {lr: ...}`)."""
+    by_name = {leaf.name: leaf.flag for leaf in LEAVES if leaf.section == section}
+    flags = ", ".join(f"{by_name.get(name, name)}: ..." for name in values) or "its keys"
+    return (
+        f"config key '{section}' is a section of the config tree, but the YAML file takes flat flag names "
+        f"(as --help lists them and config.yaml is written); write {flags} at the top level"
+    )
 
 
 def validate(config: Config) -> list[str]:
@@ -545,6 +559,10 @@ def validate(config: Config) -> list[str]:
     if config.checkpoint.checkpoints_total_limit < 1:
         limit = config.checkpoint.checkpoints_total_limit
         problems.append(f"checkpoints_total_limit: expected a positive integer, got {limit}")
+    if not 0 <= config.training.seed < 2**32:  # numpy's and torch's seeding take no other
+        problems.append(f"seed: expected an integer from 0 to 4294967295, got {config.training.seed}")
+    if config.launch.ddp_timeout < 1:
+        problems.append(f"ddp_timeout: expected a positive number of seconds, got {config.launch.ddp_timeout}")
     if config.launch.num_processes is not None and config.launch.num_processes < 1:
         problems.append(f"num_processes: expected a positive integer, got {config.launch.num_processes}")
     accelerate_config = config.launch.accelerate_config

@@ -109,6 +109,19 @@ def test_unknown_yaml_key_names_closest_valid_key(tmp_path: Path) -> None:
         load_config(["--config", str(path)])
 
 
+def test_yaml_nested_in_sections_says_the_file_is_flat(tmp_path: Path) -> None:
+    """The dataclass tree has sections; a YAML written after it is told the flat names to use instead."""
+    path = tmp_path / "nested.yaml"
+    path.write_text("phase1:\n  lr: 1.0e-4\n  epochs: 2\nmodel:\n  teacher_model: x\n")
+    with pytest.raises(DistillError) as info:
+        load_config(["--config", str(path)])
+    message = str(info.value)
+    assert "config key 'phase1' is a section of the config tree, but the YAML file takes flat flag names" in message
+    assert "write phase1_lr: ..., phase1_epochs: ... at the top level" in message
+    assert "write teacher_model: ... at the top level" in message
+    assert "did you mean" not in message
+
+
 def test_unknown_yaml_key_via_build_config() -> None:
     with pytest.raises(DistillError, match=r"unknown config key 'teacher_modle'; did you mean 'teacher_model'"):
         build_config({"teacher_modle": "x"})
@@ -141,6 +154,9 @@ def test_unknown_yaml_key_via_build_config() -> None:
         (["--matryoshka_dims", "64,32"], r"matryoshka_dims: projection mode trains no Matryoshka dimensions; pass"),
         (["--matryoshka_dims", "384,big"], r"matryoshka_dims: expected a list of integers"),
         (["--batch_size", "none"], r"batch_size: expected int, got 'none'"),
+        (["--seed", "-1"], r"seed: expected an integer from 0 to 4294967295, got -1"),
+        (["--seed", str(2**32)], r"seed: expected an integer from 0 to 4294967295, got 4294967296"),
+        (["--ddp_timeout", "0"], r"ddp_timeout: expected a positive number of seconds, got 0"),
         (["--skip_phase1", "--skip_phase2"], r"skip_phase1 and skip_phase2 are both set"),
         (
             ["--torch_compile_backend", "tvm"],
