@@ -614,5 +614,19 @@ def to_flat_dict(config: Config) -> dict[str, Any]:
 
 
 def dump_config(config: Config, path: str | os.PathLike) -> None:
-    """Write the resolved config as YAML (flat, flag-named keys) next to the outputs."""
-    Path(path).write_text(yaml.safe_dump(to_flat_dict(config), sort_keys=False))
+    """Write the resolved config as YAML (flat, flag-named keys) next to the outputs, all of it or nothing.
+
+    It goes to a hidden temporary file renamed over `path`: a full disk or a kill mid-write leaves the
+    previous config.yaml (a resumed run's) whole, never a truncated file that `--config` would misread.
+    """
+    path = Path(path)
+    staging = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    try:
+        staging.write_text(yaml.safe_dump(to_flat_dict(config), sort_keys=False))
+        os.replace(staging, path)
+    except OSError as e:
+        staging.unlink(missing_ok=True)
+        raise DistillError(f"cannot write {path} ({e.strerror or e}); make the output_dir writable") from None
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise

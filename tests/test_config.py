@@ -363,6 +363,26 @@ def test_dump_config_round_trips(tmp_path: Path) -> None:
     assert to_flat_dict(reloaded) == to_flat_dict(original)
 
 
+def test_dump_config_is_all_or_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that fails half-way (full disk) keeps the previous config.yaml whole and says so in one line."""
+    path = tmp_path / "config.yaml"
+    dump_config(load_config(["--batch_size", "12"]), path)
+    before = path.read_text()
+    write_text = Path.write_text
+
+    def half_then_fail(self: Path, text: str, *args: object, **kwargs: object) -> int:
+        write_text(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half_then_fail)
+    with pytest.raises(DistillError, match=r"cannot write .*config\.yaml \(No space left on device\); make the"):
+        dump_config(load_config(["--batch_size", "16"]), path)
+    monkeypatch.undo()
+    assert path.read_text() == before
+    assert load_config(["--config", str(path)]).training.batch_size == 12
+    assert [p.name for p in tmp_path.iterdir()] == ["config.yaml"]
+
+
 def test_default_config_round_trips(tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
     dump_config(Config(), path)
