@@ -443,12 +443,21 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise DistillError(f"config file {str(path)!r} does not exist; pass an existing YAML file to --config")
+    text = path.read_text()
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(text) or {}
+        node = yaml.compose(text)
     except yaml.YAMLError as e:
         raise DistillError(f"config file {str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise DistillError(f"config file {str(path)!r} must hold a mapping of flag names to values")
+    lines: dict[str, list[int]] = {}
+    # YAML keeps the last of a repeated key without a word: a value edited at the top would silently lose
+    for key, _ in node.value if node is not None else []:
+        lines.setdefault(str(key.value), []).append(key.start_mark.line + 1)
+    repeated = [f"{key} (lines {', '.join(map(str, at))})" for key, at in lines.items() if len(at) > 1]
+    if repeated:
+        raise DistillError(f"config file {str(path)!r} sets {'; '.join(repeated)} more than once; keep one of each")
     return data
 
 

@@ -406,6 +406,15 @@ def test_invalid_yaml_and_non_mapping(tmp_path: Path) -> None:
         load_config(["--config", str(listing)])
 
 
+def test_a_key_repeated_in_the_yaml_is_an_error_not_the_last_one_silently(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("phase1_lr: 1.0e-4\nbatch_size: 8\nseed: 1\nphase1_lr: 2.0e-5\nseed: 2\n")
+    with pytest.raises(
+        DistillError, match=r"c\.yaml' sets phase1_lr \(lines 1, 4\); seed \(lines 3, 5\) more than once; keep one"
+    ):
+        load_config(["--config", str(path)])
+
+
 def test_empty_yaml_means_defaults(tmp_path: Path) -> None:
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
