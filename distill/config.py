@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -85,7 +86,7 @@ class ModelConfig:
     )
     matryoshka_dims: list[int] | None = _opt(
         default=None,
-        help="MRL mode: comma-separated dims the loss also trains (default: dim, dim/2, dim/4).",
+        help="MRL mode: dims the loss also trains, comma- or space-separated (default: dim, dim/2, dim/4).",
     )
     matryoshka_basis: str = _opt(
         default="pca",
@@ -302,6 +303,7 @@ def _leaves() -> list[_Leaf]:
 
 LEAVES = _leaves()
 FLAGS = {leaf.flag: leaf for leaf in LEAVES}
+SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
 
 
 def _base_type(tp: Any) -> Any:
@@ -309,6 +311,13 @@ def _base_type(tp: Any) -> Any:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return next(a for a in typing.get_args(tp) if a is not type(None))
     return tp
+
+
+def _integer(value: Any) -> int:
+    """An int from a flag's text or a YAML number; a YAML bool or a fractional number is a ValueError."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError
+    return int(value)
 
 
 def _convert(leaf: _Leaf, value: Any) -> Any:
@@ -321,6 +330,13 @@ def _convert(leaf: _Leaf, value: Any) -> Any:
         if optional:
             return None
         raise DistillError(f"{leaf.flag}: expected a value, got nothing; give it a {getattr(tp, '__name__', tp)}")
+    if tp is str and isinstance(value, bool):
+        if value is False and leaf.choices and "no" in leaf.choices:
+            return "no"  # YAML 1.1 reads an unquoted `mixed_precision: no` as false
+        raise DistillError(f"{leaf.flag}: expected a text, got the YAML boolean {value}; quote it in the YAML file")
+    if tp is not bool and typing.get_origin(tp) is not list and isinstance(value, (list, dict)):
+        kind = "a list" if isinstance(value, list) else "a mapping"
+        raise DistillError(f"{leaf.flag}: expected a single value, got {kind}: {value!r}")
     try:
         if tp is bool:
             if isinstance(value, bool):
@@ -332,19 +348,23 @@ def _convert(leaf: _Leaf, value: Any) -> Any:
             raise ValueError
         if typing.get_origin(tp) is list:
             items = value if isinstance(value, list) else [v for v in str(value).split(",") if v.strip()]
-            return [int(v) for v in items]
+            return [_integer(v) for v in items]
         if tp is int:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(value)
+            return _integer(value)
         if tp is float:
-            return float(value)
-        return str(value)
+            if isinstance(value, bool):
+                raise ValueError
+            number = float(value)
+        else:
+            return str(value)
     except (TypeError, ValueError):
         kind = "True or False" if tp is bool else getattr(tp, "__name__", str(tp))
         if typing.get_origin(tp) is list:  # `list[int].__name__` is just "list"
             kind = "a list of integers like 384,192"
         raise DistillError(f"{leaf.flag}: expected {kind}, got {value!r}") from None
+    if not math.isfinite(number):  # nan passes every `< 0` check below and poisons the loss
+        raise DistillError(f"{leaf.flag}: expected a finite number, got {value!r}")
+    return number
 
 
 def _closest(name: str) -> str:
@@ -352,9 +372,17 @@ def _closest(name: str) -> str:
     return f"; did you mean '{match[0]}'?" if match else "; valid keys are listed by --help"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises DistillError (one line, with the other problems) instead of printing its usage."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        hint = "give the flag its value (--name VALUE, or --name=VALUE for one starting with '-')"
+        raise DistillError(f"{message}; {hint}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The flag parser; every default is suppressed so only flags the user typed override the YAML."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m distill.train",
         description="Distill a text-embedding teacher into a small SentenceTransformer student, in two phases.",
         argument_default=argparse.SUPPRESS,
@@ -368,6 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
         if _base_type(leaf.type) is bool:
             # `--skip_phase1` alone means True; `--skip_phase1 False` is accepted too.
             parser.add_argument(f"--{leaf.flag}", nargs="?", const="True", metavar="BOOL", help=helptext)
+        elif typing.get_origin(_base_type(leaf.type)) is list:  # `64,32` and `64 32` alike
+            parser.add_argument(f"--{leaf.flag}", nargs="+", metavar=leaf.flag.split("_")[-1].upper(), help=helptext)
         else:
             parser.add_argument(f"--{leaf.flag}", metavar=leaf.flag.split("_")[-1].upper(), help=helptext)
     return parser
@@ -377,15 +407,35 @@ def load_config(argv: list[str] | None = None) -> Config:
     """Resolve defaults < YAML < flags into a validated Config; raises DistillError listing every problem."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        flag = next((u for u in unknown if u.startswith("-")), unknown[0])
-        raise DistillError(f"unknown argument '{flag}'{_closest(flag.lstrip('-').split('=')[0])}")
+    problems = unknown_arguments(unknown)
     values: dict[str, Any] = {}
     config_file = getattr(args, "config", None)
     if config_file:
-        values.update(read_yaml(config_file))
-    values.update({k: v for k, v in vars(args).items() if k != "config"})
-    return build_config(values)
+        try:
+            values.update(read_yaml(config_file))
+        except DistillError as e:
+            problems.append(str(e))
+    for key, value in vars(args).items():
+        if key != "config":
+            values[key] = ",".join(value) if isinstance(value, list) else value  # a list flag's `64 32`
+    return build_config(values, problems)
+
+
+def unknown_arguments(unknown: list[str]) -> list[str]:
+    """One problem per unknown flag (its value, if any, skipped) and per value that follows no flag."""
+    problems, after_flag = [], False
+    for arg in unknown:
+        if arg.startswith("-"):
+            problems.append(f"unknown argument '{arg}'{_closest(arg.lstrip('-').split('=')[0])}")
+            after_flag = "=" not in arg
+        elif after_flag:
+            after_flag = False  # the unknown flag's value
+        else:
+            problems.append(
+                f"unexpected value '{arg}': it follows no flag, and each flag takes one value; "
+                "quote a value that holds spaces"
+            )
+    return problems
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
@@ -393,23 +443,38 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise DistillError(f"config file {str(path)!r} does not exist; pass an existing YAML file to --config")
+    text = path.read_text()
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(text) or {}
+        node = yaml.compose(text)
     except yaml.YAMLError as e:
         raise DistillError(f"config file {str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise DistillError(f"config file {str(path)!r} must hold a mapping of flag names to values")
+    lines: dict[str, list[int]] = {}
+    # YAML keeps the last of a repeated key without a word: a value edited at the top would silently lose
+    for key, _ in node.value if node is not None else []:
+        lines.setdefault(str(key.value), []).append(key.start_mark.line + 1)
+    repeated = [f"{key} (lines {', '.join(map(str, at))})" for key, at in lines.items() if len(at) > 1]
+    if repeated:
+        raise DistillError(f"config file {str(path)!r} sets {'; '.join(repeated)} more than once; keep one of each")
     return data
 
 
-def build_config(values: dict[str, Any]) -> Config:
-    """Apply flat flag-named values on top of the defaults and validate the result."""
+def build_config(values: dict[str, Any], problems: list[str] | None = None) -> Config:
+    """Apply flat flag-named values on top of the defaults and validate the result.
+
+    `problems`: ones found before (unknown flags, an unreadable YAML), reported with the rest in one error.
+    """
     config = Config()
-    problems = []
+    problems = list(problems or [])
     for key, value in values.items():
         leaf = FLAGS.get(key)
+        if leaf is None and key in SECTIONS and isinstance(value, dict):
+            problems.append(_nested_section(key, value))
+            continue
         if leaf is None:
-            problems.append(f"unknown config key '{key}'{_closest(key)}")
+            problems.append(f"unknown config key '{key}'{_closest(str(key))}")
             continue
         try:
             setattr(getattr(config, leaf.section), leaf.name, _convert(leaf, value))
@@ -419,6 +484,16 @@ def build_config(values: dict[str, Any]) -> Config:
     if problems:
         raise DistillError("; ".join(problems))
     return config
+
+
+def _nested_section(section: str, values: dict) -> str:
+    """The fix for a YAML that nests keys under a section of the tree (`phase1: {lr: ...}`)."""
+    by_name = {leaf.name: leaf.flag for leaf in LEAVES if leaf.section == section}
+    flags = ", ".join(f"{by_name.get(name, name)}: ..." for name in values) or "its keys"
+    return (
+        f"config key '{section}' is a section of the config tree, but the YAML file takes flat flag names "
+        f"(as --help lists them and config.yaml is written); write {flags} at the top level"
+    )
 
 
 def validate(config: Config) -> list[str]:
@@ -493,6 +568,10 @@ def validate(config: Config) -> list[str]:
     if config.checkpoint.checkpoints_total_limit < 1:
         limit = config.checkpoint.checkpoints_total_limit
         problems.append(f"checkpoints_total_limit: expected a positive integer, got {limit}")
+    if not 0 <= config.training.seed < 2**32:  # numpy's and torch's seeding take no other
+        problems.append(f"seed: expected an integer from 0 to 4294967295, got {config.training.seed}")
+    if config.launch.ddp_timeout < 1:
+        problems.append(f"ddp_timeout: expected a positive number of seconds, got {config.launch.ddp_timeout}")
     if config.launch.num_processes is not None and config.launch.num_processes < 1:
         problems.append(f"num_processes: expected a positive integer, got {config.launch.num_processes}")
     accelerate_config = config.launch.accelerate_config
@@ -544,5 +623,19 @@ def to_flat_dict(config: Config) -> dict[str, Any]:
 
 
 def dump_config(config: Config, path: str | os.PathLike) -> None:
-    """Write the resolved config as YAML (flat, flag-named keys) next to the outputs."""
-    Path(path).write_text(yaml.safe_dump(to_flat_dict(config), sort_keys=False))
+    """Write the resolved config as YAML (flat, flag-named keys) next to the outputs, all of it or nothing.
+
+    It goes to a hidden temporary file renamed over `path`: a full disk or a kill mid-write leaves the
+    previous config.yaml (a resumed run's) whole, never a truncated file that `--config` would misread.
+    """
+    path = Path(path)
+    staging = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    try:
+        staging.write_text(yaml.safe_dump(to_flat_dict(config), sort_keys=False))
+        os.replace(staging, path)
+    except OSError as e:
+        staging.unlink(missing_ok=True)
+        raise DistillError(f"cannot write {path} ({e.strerror or e}); make the output_dir writable") from None
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise

@@ -21,7 +21,7 @@ from pathlib import Path
 from accelerate import Accelerator
 
 from distill.errors import DistillError
-from distill.student import DistillationModel, normalize_module
+from distill.student import DistillationModel, matryoshka_dims, normalize_module
 
 
 def deployable_model(model: DistillationModel):  # noqa: ANN201 - SentenceTransformer
@@ -53,7 +53,9 @@ def export_models(
     root = Path(artifacts_dir).expanduser()
     student_dims = {"student": model.student_dim}  # no "output": no projection in the folder
     model_dims = student_dims if model.projection is None else {**student_dims, "output": model.projection.out_features}
-    targets = {"model": (root / "model", deployable_model(model), model_card(settings, table, model_dims))}
+    trained = matryoshka_dims(model.student_dim, settings.get("matryoshka_dims")) if model.projection is None else None
+    card = model_card(settings, table, model_dims, matryoshka=trained)
+    targets = {"model": (root / "model", deployable_model(model), card)}
     if model.projection is not None:
         note = (
             f"This folder is the student at its own {model.student_dim} dimensions, without the projection "
@@ -109,10 +111,13 @@ def no_prompts(sentence_transformer):  # noqa: ANN001, ANN201
         sentence_transformer.prompts, sentence_transformer.default_prompt_name = prompts, default
 
 
-def model_card(settings: dict, table: str, dims: dict[str, int], note: str = "") -> str:
+def model_card(
+    settings: dict, table: str, dims: dict[str, int], note: str = "", matryoshka: list[int] | None = None
+) -> str:
     """A sentence-transformers model card: how the student was distilled (`note`: what the folder holds), its scores.
 
     `dims`: {"student": its dimension}, plus {"output": the projection's} when the folder ends with the projection.
+    `matryoshka`: the dimensions a Matryoshka-mode model was trained to be truncated to (largest first).
     """
     front = "\n".join(
         [
@@ -127,15 +132,34 @@ def model_card(settings: dict, table: str, dims: dict[str, int], note: str = "")
             "",
         ]
     )
+    width = dims.get("output", dims.get("student"))
     usage = (
         "```python\nfrom sentence_transformers import SentenceTransformer\n\n"
-        "model = SentenceTransformer('path/to/this/folder')\nembeddings = model.encode(['a sentence'])\n```\n"
+        "model = SentenceTransformer('path/to/this/folder')\n"
+        f"embeddings = model.encode(['a query', 'a passage'])  # (2, {width})\n"
+        "scores = model.similarity(embeddings, embeddings)  # cosine\n```\n\n"
+        "No prompts: the student was distilled on texts as they are, so queries and documents are encoded alike "
+        "(`encode_query` and `encode_document` add nothing; the teacher's prompts are not needed).\n"
     )
+    if "output" in dims:
+        usage += (
+            f"\nThe vectors lie in the teacher's {dims['output']}-d space: they can query an index of the teacher's "
+            "own passage vectors (scored as `ndcg@10_asymmetric` under Evaluation).\n"
+        )
+    if matryoshka:
+        shorter = matryoshka[1] if len(matryoshka) > 1 else matryoshka[0]
+        usage += (
+            f"\nMatryoshka: trained to be truncated to {', '.join(map(str, matryoshka))} dimensions (the first "
+            f"coordinates carry the most): `SentenceTransformer('path/to/this/folder', truncate_dim={shorter})`. "
+            "Truncated vectors are not unit length: compare them with `model.similarity` (cosine), or encode with "
+            "`normalize_embeddings=True` before a dot product.\n"
+        )
     return (
         f"{front}# Distilled student\n\n"
         f"Distilled with `distill` from teacher `{settings.get('teacher_model')}` into "
         f"`{settings.get('student_model')}` ({dims.get('student')}-d"
         + (f", projected to the teacher's {dims['output']}-d" if "output" in dims else "")
+        + (", Matryoshka" if matryoshka else "")
         + ")."
         + (f" {note}" if note else "")
         + "\n\n## Usage\n\n"

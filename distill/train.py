@@ -353,13 +353,18 @@ def main_process_array(accelerator: Accelerator, compute: Callable[[], np.ndarra
 
 
 def check_declared_dimensions(model_config) -> None:  # noqa: ANN001 - ModelConfig
-    """Matryoshka mode needs a teacher at least as wide as the student: check it from the folders' configs."""
+    """Matryoshka mode: teacher at least as wide as the student, --matryoshka_dims no wider, from the folders' configs.
+
+    Checked before the teacher encodes (hours, for a large one), not after.
+    """
     if model_config.use_projection:
         return
     teacher_dim = declared_dimension(resolve_model(model_config.teacher_model, model_config.teacher_revision))
     student_dim = declared_dimension(resolve_model(model_config.student_model))
     if teacher_dim and student_dim:
         check_dimensions(student_dim, teacher_dim, use_projection=False)
+    if student_dim:
+        matryoshka_dims(student_dim, model_config.matryoshka_dims)
 
 
 def freeze_unused_parameters(student) -> None:  # noqa: ANN001

@@ -123,6 +123,20 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(case, tiny_models, tin
     assert not out.exists() or not any(out.iterdir()), sorted(out.rglob("*"))
 
 
+def test_matryoshka_dims_wider_than_the_student_fail_before_the_teacher_encodes(
+    tiny_models, tiny_data, tmp_path, capsys
+):
+    """A dimension the 32-d student does not have is known from its folder: no teacher time is spent first."""
+    cache = tmp_path / "cache"
+    flags = tiny_run_flags(
+        tiny_models, tiny_data, tmp_path / "out", use_projection=False, matryoshka_dims="64,16", teacher_cache_dir=cache
+    )
+    assert main(flags) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: matryoshka_dims [64] exceed the student's 32 dimensions; pass dims up to 32"]
+    assert not cache.exists() or not any(cache.iterdir()), sorted(cache.rglob("*"))  # the teacher never ran
+
+
 def test_unknown_offline_teacher_prints_only_its_error(tiny_models, tiny_data, tmp_path):
     """The README's `--teacher_model org/unknown` offline: the one error line, no warning about its prompts first."""
     out = tmp_path / "out"

@@ -79,10 +79,47 @@ def test_unknown_flag_far_from_everything_points_to_help() -> None:
         load_config(["--zzzzzzzzzzzz", "1"])
 
 
+def test_every_unknown_flag_is_reported_with_the_other_problems(tmp_path: Path) -> None:
+    """One run of the command shows every mistake: each unknown flag, a stray value, a missing YAML, bad values."""
+    argv = ["--phase1_lrr", "1", "--batchsize=4", "--config", str(tmp_path / "nope.yaml"), "--seed", "abc"]
+    with pytest.raises(DistillError) as info:
+        load_config([*argv, "--phase2_lr", "-1", "--skip_phase1", "True", "extra"])
+    message = str(info.value)
+    for expected in (
+        "unknown argument '--phase1_lrr'; did you mean 'phase1_lr'?",
+        "unknown argument '--batchsize=4'; did you mean 'batch_size'?",
+        "config file '" + str(tmp_path / "nope.yaml") + "' does not exist",
+        "seed: expected int, got 'abc'",
+        "phase2_lr: expected a number greater than 0, got -1.0",
+        "unexpected value 'extra': it follows no flag",
+    ):
+        assert expected in message
+    assert "'1'" not in message  # the unknown flag's own value is not a second problem
+
+
+def test_a_flag_without_its_value_is_one_line_not_a_usage_dump() -> None:
+    with pytest.raises(DistillError, match=r"^argument --teacher_model: expected one argument; give the flag its"):
+        load_config(["--teacher_model"])
+    assert load_config(["--teacher_query_prompt=-x"]).model.teacher_query_prompt == "-x"
+
+
 def test_unknown_yaml_key_names_closest_valid_key(tmp_path: Path) -> None:
     path = write_yaml(tmp_path / "typo.yaml", {"lerning_rate": 1, "phase2_epoch": 2})
     with pytest.raises(DistillError, match=r"unknown config key 'phase2_epoch'; did you mean 'phase2_epochs'"):
         load_config(["--config", str(path)])
+
+
+def test_yaml_nested_in_sections_says_the_file_is_flat(tmp_path: Path) -> None:
+    """The dataclass tree has sections; a YAML written after it is told the flat names to use instead."""
+    path = tmp_path / "nested.yaml"
+    path.write_text("phase1:\n  lr: 1.0e-4\n  epochs: 2\nmodel:\n  teacher_model: x\n")
+    with pytest.raises(DistillError) as info:
+        load_config(["--config", str(path)])
+    message = str(info.value)
+    assert "config key 'phase1' is a section of the config tree, but the YAML file takes flat flag names" in message
+    assert "write phase1_lr: ..., phase1_epochs: ... at the top level" in message
+    assert "write teacher_model: ... at the top level" in message
+    assert "did you mean" not in message
 
 
 def test_unknown_yaml_key_via_build_config() -> None:
@@ -117,6 +154,9 @@ def test_unknown_yaml_key_via_build_config() -> None:
         (["--matryoshka_dims", "64,32"], r"matryoshka_dims: projection mode trains no Matryoshka dimensions; pass"),
         (["--matryoshka_dims", "384,big"], r"matryoshka_dims: expected a list of integers"),
         (["--batch_size", "none"], r"batch_size: expected int, got 'none'"),
+        (["--seed", "-1"], r"seed: expected an integer from 0 to 4294967295, got -1"),
+        (["--seed", str(2**32)], r"seed: expected an integer from 0 to 4294967295, got 4294967296"),
+        (["--ddp_timeout", "0"], r"ddp_timeout: expected a positive number of seconds, got 0"),
         (["--skip_phase1", "--skip_phase2"], r"skip_phase1 and skip_phase2 are both set"),
         (
             ["--torch_compile_backend", "tvm"],
@@ -180,6 +220,38 @@ def test_integer_valued_float_from_yaml_is_accepted(tmp_path: Path) -> None:
         load_config(["--config", str(path)])
 
 
+def test_yaml_values_of_the_wrong_kind_are_not_coerced(tmp_path: Path) -> None:
+    """A YAML bool is no int, a list no path, a fraction no dimension, nan no weight: each says so."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "batch_size: true\nphase1_data: [a.txt, b.txt]\nstudent_model: {name: x}\nteacher_revision: yes\n"
+        "use_projection: false\nmatryoshka_dims: [64.5, 32]\nkl_weight: .nan\nmax_grad_norm: .inf\n"
+    )
+    with pytest.raises(DistillError) as info:
+        load_config(["--config", str(path)])
+    message = str(info.value)
+    for expected in (
+        "batch_size: expected int, got True",
+        "phase1_data: expected a single value, got a list: ['a.txt', 'b.txt']",
+        "student_model: expected a single value, got a mapping",
+        "teacher_revision: expected a text, got the YAML boolean True; quote it in the YAML file",
+        "matryoshka_dims: expected a list of integers like 384,192, got [64.5, 32]",
+        "kl_weight: expected a finite number, got nan",
+        "max_grad_norm: expected a finite number, got inf",
+    ):
+        assert expected in message
+    with pytest.raises(DistillError, match=r"phase1_lr: expected a finite number, got 'inf'"):
+        load_config(["--phase1_lr", "inf"])
+
+
+@pytest.mark.parametrize("spelling", ["no", "off", "'no'"])
+def test_unquoted_mixed_precision_no_in_yaml_means_no(spelling: str, tmp_path: Path) -> None:
+    """YAML 1.1 reads `mixed_precision: no` as false; it means the choice 'no', as in accelerate's own files."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"mixed_precision: {spelling}\n")
+    assert load_config(["--config", str(path)]).training.mixed_precision == "no"
+
+
 def test_several_problems_reported_together(tmp_path: Path) -> None:
     path = write_yaml(tmp_path / "bad.yaml", {"batch_sise": 4, "phase2_epochs": 0})
     argv = ["--config", str(path), "--batch_size", "0", "--phase1_lr", "-1", "--mixed_precision", "fp32"]
@@ -236,6 +308,8 @@ def test_matryoshka_dims_parsing(tmp_path: Path) -> None:
     assert load_config([*mrl, "384,192"]).model.matryoshka_dims == [384, 192]
     assert load_config([*mrl, "384"]).model.matryoshka_dims == [384]
     assert load_config([*mrl, "64,32,"]).model.matryoshka_dims == [64, 32]
+    assert load_config([*mrl, "64", "32"]).model.matryoshka_dims == [64, 32]  # space-separated, as `nargs="+"`
+    assert load_config([*mrl, "64,", "32"]).model.matryoshka_dims == [64, 32]
     assert load_config([*mrl, "None"]).model.matryoshka_dims is None
     assert load_config(["--matryoshka_dims", "None"]).model.matryoshka_dims is None  # projection mode: nothing set
     path = write_yaml(tmp_path / "c.yaml", {"use_projection": False, "matryoshka_dims": [256, 128, 64]})
@@ -289,6 +363,26 @@ def test_dump_config_round_trips(tmp_path: Path) -> None:
     assert to_flat_dict(reloaded) == to_flat_dict(original)
 
 
+def test_dump_config_is_all_or_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that fails half-way (full disk) keeps the previous config.yaml whole and says so in one line."""
+    path = tmp_path / "config.yaml"
+    dump_config(load_config(["--batch_size", "12"]), path)
+    before = path.read_text()
+    write_text = Path.write_text
+
+    def half_then_fail(self: Path, text: str, *args: object, **kwargs: object) -> int:
+        write_text(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half_then_fail)
+    with pytest.raises(DistillError, match=r"cannot write .*config\.yaml \(No space left on device\); make the"):
+        dump_config(load_config(["--batch_size", "16"]), path)
+    monkeypatch.undo()
+    assert path.read_text() == before
+    assert load_config(["--config", str(path)]).training.batch_size == 12
+    assert [p.name for p in tmp_path.iterdir()] == ["config.yaml"]
+
+
 def test_default_config_round_trips(tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
     dump_config(Config(), path)
@@ -310,6 +404,15 @@ def test_invalid_yaml_and_non_mapping(tmp_path: Path) -> None:
     listing.write_text("- batch_size\n- 4\n")
     with pytest.raises(DistillError, match=r"must hold a mapping of flag names"):
         load_config(["--config", str(listing)])
+
+
+def test_a_key_repeated_in_the_yaml_is_an_error_not_the_last_one_silently(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("phase1_lr: 1.0e-4\nbatch_size: 8\nseed: 1\nphase1_lr: 2.0e-5\nseed: 2\n")
+    with pytest.raises(
+        DistillError, match=r"c\.yaml' sets phase1_lr \(lines 1, 4\); seed \(lines 3, 5\) more than once; keep one"
+    ):
+        load_config(["--config", str(path)])
 
 
 def test_empty_yaml_means_defaults(tmp_path: Path) -> None:

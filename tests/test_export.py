@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -205,6 +206,37 @@ def test_each_exported_folder_has_the_card_of_what_it_holds(
     if projection:
         assert "(32-d). This folder is the student at its own 32 dimensions, without the projection" in cards["student"]
         assert "projected" not in cards["student"]
+
+
+@pytest.mark.parametrize("projection", [True, False], ids=["projection", "matryoshka"])
+def test_the_card_says_how_to_use_the_folder_and_the_folder_does_it(
+    tiny_models: dict[str, Path],
+    tmp_path: Path,
+    accelerator,  # noqa: ANN001
+    projection: bool,
+) -> None:
+    """What the card tells a user (width, teacher space, truncate_dim, no prompts) is what SentenceTransformer does."""
+    model = projected_model(tiny_models) if projection else DistillationModel(projected_model(tiny_models).student)
+    settings = {"use_projection": projection, "matryoshka_dims": None if projection else [16, 8]}
+    path = export_models(accelerator, model, tmp_path, settings, "")["model"]
+    card = (Path(path) / "README.md").read_text()
+    texts = sentences(3, seed=8)
+    loaded = SentenceTransformer(path, device="cpu")
+    width = 48 if projection else 32
+    assert f"# (2, {width})" in card and loaded.encode(texts).shape == (3, width)
+    assert "No prompts" in card
+    np.testing.assert_allclose(loaded.encode_query(texts), loaded.encode(texts), atol=1e-6)
+    assert ("they can query an index of the teacher's own passage vectors" in card) == projection
+    if projection:
+        assert "Matryoshka" not in card and "truncate_dim" not in card
+        return
+    assert "(32-d, Matryoshka)." in card and "trained to be truncated to 32, 16, 8 dimensions" in card
+    truncate_dim = int(re.search(r"truncate_dim=(\d+)", card).group(1))
+    assert truncate_dim == 16
+    short = SentenceTransformer(path, device="cpu", truncate_dim=truncate_dim)
+    np.testing.assert_allclose(short.encode(texts), loaded.encode(texts)[:, :16], atol=1e-6)
+    unit = short.encode(texts, normalize_embeddings=True)
+    np.testing.assert_allclose(np.linalg.norm(unit, axis=1), 1.0, atol=1e-5)
 
 
 def test_any_failed_save_leaves_no_temporary_folder(
