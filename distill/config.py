@@ -565,6 +565,14 @@ def validate(config: Config) -> list[str]:
         )
     if config.checkpoint.eval_steps < 0:
         problems.append(f"eval_steps: expected 0 (off) or a positive integer, got {config.checkpoint.eval_steps}")
+    if config.checkpoint.keep_best and (config.checkpoint.eval_steps == 0 or config.data.eval_data == "none"):
+        problems.append(  # else there is one candidate per phase, the model exported anyway: nothing to keep
+            "keep_best: keeps the best of the evaluations every --eval_steps steps, but "
+            + ("eval_data is none" if config.data.eval_data == "none" else "eval_steps is 0 (only phase ends)")
+            + "; pass --eval_steps N"
+            + (" and an --eval_data" if config.data.eval_data == "none" else "")
+            + " or drop --keep_best"
+        )
     if config.checkpoint.checkpoints_total_limit < 1:
         limit = config.checkpoint.checkpoints_total_limit
         problems.append(f"checkpoints_total_limit: expected a positive integer, got {limit}")

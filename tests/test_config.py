@@ -157,6 +157,11 @@ def test_unknown_yaml_key_via_build_config() -> None:
         (["--seed", "-1"], r"seed: expected an integer from 0 to 4294967295, got -1"),
         (["--seed", str(2**32)], r"seed: expected an integer from 0 to 4294967295, got 4294967296"),
         (["--ddp_timeout", "0"], r"ddp_timeout: expected a positive number of seconds, got 0"),
+        (["--keep_best"], r"keep_best: .* but eval_steps is 0 \(only phase ends\); pass --eval_steps N or drop"),
+        (
+            ["--keep_best", "--eval_steps", "50", "--eval_data", "none"],
+            r"keep_best: .* but eval_data is none; pass --eval_steps N and an --eval_data or drop --keep_best",
+        ),
         (["--skip_phase1", "--skip_phase2"], r"skip_phase1 and skip_phase2 are both set"),
         (
             ["--torch_compile_backend", "tvm"],
