@@ -320,6 +320,13 @@ def _integer(value: Any) -> int:
     return int(value)
 
 
+def _kind(tp: Any) -> str:
+    """The kind of value a field takes, for a message: 'an integer', 'a list of integers like 384,192'..."""
+    if typing.get_origin(tp) is list:
+        return "a list of integers like 384,192"
+    return {bool: "True or False", int: "an integer", float: "a number"}.get(tp, "a text")
+
+
 def _convert(leaf: _Leaf, value: Any) -> Any:
     """Turn a YAML or command-line value into the field's type, or raise DistillError."""
     optional = type(None) in typing.get_args(leaf.type)
@@ -329,7 +336,7 @@ def _convert(leaf: _Leaf, value: Any) -> Any:
     if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null", "")):
         if optional:
             return None
-        raise DistillError(f"{leaf.flag}: expected a value, got nothing; give it a {getattr(tp, '__name__', tp)}")
+        raise DistillError(f"{leaf.flag}: expected a value, got nothing; give it {_kind(tp)}")
     if tp is str and isinstance(value, bool):
         if value is False and leaf.choices and "no" in leaf.choices:
             return "no"  # YAML 1.1 reads an unquoted `mixed_precision: no` as false
@@ -392,15 +399,28 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = Config()
     for leaf in LEAVES:
         default = getattr(getattr(defaults, leaf.section), leaf.name)
-        helptext = f"{leaf.help} (default: {default})"
+        # a help text that already says its default (in words: "default: all") is not given a second one
+        helptext = leaf.help if "default" in leaf.help else f"{leaf.help} (default: {default})"
         if _base_type(leaf.type) is bool:
             # `--skip_phase1` alone means True; `--skip_phase1 False` is accepted too.
             parser.add_argument(f"--{leaf.flag}", nargs="?", const="True", metavar="BOOL", help=helptext)
         elif typing.get_origin(_base_type(leaf.type)) is list:  # `64,32` and `64 32` alike
-            parser.add_argument(f"--{leaf.flag}", nargs="+", metavar=leaf.flag.split("_")[-1].upper(), help=helptext)
+            parser.add_argument(f"--{leaf.flag}", nargs="+", metavar="DIM", help=helptext)
         else:
-            parser.add_argument(f"--{leaf.flag}", metavar=leaf.flag.split("_")[-1].upper(), help=helptext)
+            parser.add_argument(f"--{leaf.flag}", metavar=_metavar(leaf), help=helptext)
     return parser
+
+
+def _metavar(leaf: _Leaf) -> str:
+    """What a flag's value is, in --help: its choices, N for a count, X for a number, else the flag's last word."""
+    tp = _base_type(leaf.type)
+    if leaf.choices:
+        return "|".join(leaf.choices)
+    if tp is int:
+        return "N"
+    if tp is float:
+        return "X"
+    return {"with": "TRACKERS"}.get(leaf.flag.split("_")[-1], leaf.flag.split("_")[-1]).upper()
 
 
 def load_config(argv: list[str] | None = None) -> Config:

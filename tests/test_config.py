@@ -213,7 +213,7 @@ def test_compile_backends_are_accelerates() -> None:
 
 def test_null_for_a_required_value_from_yaml(tmp_path: Path) -> None:
     path = write_yaml(tmp_path / "c.yaml", {"batch_size": None})
-    with pytest.raises(DistillError, match=r"batch_size: expected a value, got nothing; give it a int"):
+    with pytest.raises(DistillError, match=r"batch_size: expected a value, got nothing; give it an integer"):
         load_config(["--config", str(path)])
 
 
@@ -441,6 +441,11 @@ def test_help_lists_every_flag() -> None:
     assert "--config" in text
     for flag in config_module.FLAGS:
         assert f"--{flag}" in text, flag
+    flat = " ".join(text.split())  # argparse wraps the help texts
+    assert "(default: all). (default:" not in flat  # a help that names its default is not given a second
+    assert flat.count("default") >= len(config_module.FLAGS)  # the rest show theirs
+    # values named by what they are, not by the flag's last word
+    assert "--max_samples_phase1 N " in flat and "--mixed_precision no|fp16|bf16 " in flat and " WITH" not in flat
 
 
 def test_every_leaf_field_has_a_flag_and_help() -> None:
