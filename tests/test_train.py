@@ -674,6 +674,22 @@ def test_bf16_gradient_compression_is_refused_on_cpu_processes(tmp_path, monkeyp
         make_accelerator(config)
 
 
+def test_fp16_is_refused_on_a_cpu_whether_from_the_flag_or_from_accelerate_launch(tmp_path, monkeypatch):
+    """Accelerate takes fp16 on a CPU and trains in float32 without a word (measured: bit-equal weights to `no`)."""
+    from distill.config import build_config
+    from distill.train import make_accelerator
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    base = {"log_with": "none", "output_dir": str(tmp_path)}
+    with pytest.raises(DistillError, match=r"^mixed_precision fp16 needs a CUDA GPU; use bf16 or no on a CPU$"):
+        make_accelerator(build_config({**base, "mixed_precision": "fp16"}))
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # what `accelerate launch --mixed_precision fp16` sets
+    with pytest.raises(DistillError, match=r"^mixed_precision fp16 \(from accelerate launch.*--mixed_precision bf16"):
+        make_accelerator(build_config(base))
+    accelerator = make_accelerator(build_config({**base, "mixed_precision": "no"}))  # the flag wins over the launcher
+    assert accelerator.mixed_precision == "no"
+
+
 def test_relative_similarity_refuses_a_global_batch_it_cannot_hold(tmp_path, monkeypatch):
     """Its (scores x scores) matrices grow with the fourth power of the global batch: refused at start-up."""
     from distill.config import build_config
