@@ -113,8 +113,16 @@ RESIM_MAX_GLOBAL_BATCH = 64
 def make_accelerator(config: Config) -> Accelerator:
     """The Accelerator of this process: precision, accumulation, torch.compile and DDP's gradient compression."""
     t = config.training
-    if t.mixed_precision == "fp16" and not torch.cuda.is_available():
-        raise DistillError("mixed_precision fp16 needs a CUDA GPU; use bf16 or no on a CPU")
+    # without the flag, the precision `accelerate launch` passes on (its --mixed_precision or its config file)
+    from_launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if (t.mixed_precision or from_launcher) == "fp16" and not torch.cuda.is_available():
+        if t.mixed_precision:
+            raise DistillError("mixed_precision fp16 needs a CUDA GPU; use bf16 or no on a CPU")
+        # Accelerate would take it and train in float32 without a word
+        raise DistillError(
+            "mixed_precision fp16 (from accelerate launch: its --mixed_precision or the accelerate config) needs a "
+            "CUDA GPU; pass --mixed_precision bf16 or no, or set mixed_precision to bf16 or no in the accelerate config"
+        )
     world = current_world_size()
     global_batch = t.batch_size * world
     if t.resim_weight and global_batch > RESIM_MAX_GLOBAL_BATCH:
