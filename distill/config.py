@@ -523,6 +523,20 @@ def validate(config: Config) -> list[str]:
         value = getattr(getattr(config, leaf.section), leaf.name)
         if leaf.choices and value is not None and value not in leaf.choices:
             problems.append(f"{leaf.flag}: expected one of {'/'.join(leaf.choices)}, got {value!r}")
+    # an empty name is the current folder to pathlib: a teacher '' would hash everything under it, then fail
+    named = {
+        "teacher_model": "a Hub name or a model folder",
+        "student_model": "a Hub name or a model folder",
+        "output_dir": "a folder",
+        "artifacts_dir": "a folder",
+        "teacher_cache_dir": "a folder",
+    }
+    for flag, expected in named.items():
+        leaf = FLAGS[flag]
+        if not str(getattr(getattr(config, leaf.section), leaf.name)).strip():
+            problems.append(
+                f"{flag}: expected {expected}, got an empty value; pass --{flag} (or drop it for the default)"
+            )
     positive = {
         "batch_size": config.training.batch_size,
         "gradient_accumulation_steps": config.training.gradient_accumulation_steps,

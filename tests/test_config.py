@@ -157,6 +157,8 @@ def test_unknown_yaml_key_via_build_config() -> None:
         (["--seed", "-1"], r"seed: expected an integer from 0 to 4294967295, got -1"),
         (["--seed", str(2**32)], r"seed: expected an integer from 0 to 4294967295, got 4294967296"),
         (["--ddp_timeout", "0"], r"ddp_timeout: expected a positive number of seconds, got 0"),
+        (["--teacher_model", ""], r"teacher_model: expected a Hub name or a model folder, got an empty value"),
+        (["--output_dir", " "], r"output_dir: expected a folder, got an empty value; pass --output_dir"),
         (["--keep_best"], r"keep_best: .* but eval_steps is 0 \(only phase ends\); pass --eval_steps N or drop"),
         (
             ["--keep_best", "--eval_steps", "50", "--eval_data", "none"],
