@@ -522,7 +522,13 @@ def test_a_non_finite_loss_mid_window_rolls_back_the_windows_samples_too(tiny_mo
 
     out = tmp_path / "nan"
     argv = short_run_flags(
-        tiny_models, tiny_data, out, tmp_path / "cache", gradient_accumulation_steps=2, eval_data="none"
+        tiny_models,
+        tiny_data,
+        out,
+        tmp_path / "cache",
+        gradient_accumulation_steps=2,
+        eval_data="none",
+        keep_best=False,
     )
     signal_at_call(monkeypatch, 4, lambda loss, reported: (loss * float("nan"), reported * float("nan")))
     assert main(argv) == 3
