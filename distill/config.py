@@ -670,14 +670,7 @@ def dump_config(config: Config, path: str | os.PathLike) -> None:
     It goes to a hidden temporary file renamed over `path`: a full disk or a kill mid-write leaves the
     previous config.yaml (a resumed run's) whole, never a truncated file that `--config` would misread.
     """
-    path = Path(path)
-    staging = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    try:
-        staging.write_text(yaml.safe_dump(to_flat_dict(config), sort_keys=False))
-        os.replace(staging, path)
-    except OSError as e:
-        staging.unlink(missing_ok=True)
-        raise DistillError(f"cannot write {path} ({e.strerror or e}); make the output_dir writable") from None
-    except BaseException:
-        staging.unlink(missing_ok=True)
-        raise
+    from distill.report import write_atomic  # noqa: PLC0415 - the results' writer; config stays light to import
+
+    text = yaml.safe_dump(to_flat_dict(config), sort_keys=False)
+    write_atomic(Path(path), lambda staging: staging.write_text(text))
