@@ -365,9 +365,7 @@ def _convert(leaf: _Leaf, value: Any) -> Any:
         else:
             return str(value)
     except (TypeError, ValueError):
-        kind = "True or False" if tp is bool else getattr(tp, "__name__", str(tp))
-        if typing.get_origin(tp) is list:  # `list[int].__name__` is just "list"
-            kind = "a list of integers like 384,192"
+        kind = tp.__name__ if tp in (int, float, str) else _kind(tp)  # `list[int].__name__` is just "list"
         raise DistillError(f"{leaf.flag}: expected {kind}, got {value!r}") from None
     if not math.isfinite(number):  # nan passes every `< 0` check below and poisons the loss
         raise DistillError(f"{leaf.flag}: expected a finite number, got {value!r}")
@@ -420,7 +418,8 @@ def _metavar(leaf: _Leaf) -> str:
         return "N"
     if tp is float:
         return "X"
-    return {"with": "TRACKERS"}.get(leaf.flag.split("_")[-1], leaf.flag.split("_")[-1]).upper()
+    word = leaf.flag.split("_")[-1]
+    return "TRACKERS" if word == "with" else word.upper()  # log_with
 
 
 def load_config(argv: list[str] | None = None) -> Config:
@@ -599,13 +598,17 @@ def validate(config: Config) -> list[str]:
         )
     if config.checkpoint.eval_steps < 0:
         problems.append(f"eval_steps: expected 0 (off) or a positive integer, got {config.checkpoint.eval_steps}")
-    if config.checkpoint.keep_best and (config.checkpoint.eval_steps == 0 or config.data.eval_data == "none"):
-        problems.append(  # else there is one candidate per phase, the model exported anyway: nothing to keep
-            "keep_best: keeps the best of the evaluations every --eval_steps steps, but "
-            + ("eval_data is none" if config.data.eval_data == "none" else "eval_steps is 0 (only phase ends)")
-            + "; pass --eval_steps N"
-            + (" and an --eval_data" if config.data.eval_data == "none" else "")
-            + " or drop --keep_best"
+    # without periodic evaluations each phase has one candidate, the model exported anyway: nothing to keep
+    if config.checkpoint.keep_best and config.data.eval_data == "none":
+        why, fix = "eval_data is none", "--eval_steps N and an --eval_data"
+    elif config.checkpoint.keep_best and config.checkpoint.eval_steps == 0:
+        why, fix = "eval_steps is 0 (only phase ends)", "--eval_steps N"
+    else:
+        why = fix = None
+    if why:
+        problems.append(
+            f"keep_best: keeps the best of the evaluations every --eval_steps steps, but {why}; pass {fix} "
+            "or drop --keep_best"
         )
     if config.checkpoint.checkpoints_total_limit < 1:
         limit = config.checkpoint.checkpoints_total_limit
