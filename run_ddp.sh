@@ -43,8 +43,8 @@ if [[ -n "${ACCELERATE_CONFIG:-}" ]]; then  # optional topology file, e.g. accel
         echo "error: ACCELERATE_CONFIG '$ACCELERATE_CONFIG' does not exist; pass one of accelerate_configs/*.yaml" >&2
         exit 2
     fi
-    machines="$("$python" -c 'import sys; from accelerate.commands.config.config_args import load_config_from_file as load
-print(load(sys.argv[1]).num_machines or 1)' "$ACCELERATE_CONFIG")"
+    machines="$("$python" -c 'import sys; from distill.launch import config_file_topology
+print(config_file_topology(sys.argv[1])[0])' "$ACCELERATE_CONFIG")"
     if ((machines > 1)); then
         echo "error: ACCELERATE_CONFIG '$ACCELERATE_CONFIG' names $machines machines, but run_ddp.sh runs NUM_GPUS" \
             "processes on this machine; on each machine run: accelerate launch --config_file $ACCELERATE_CONFIG" \
