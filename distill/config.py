@@ -27,6 +27,7 @@ LR_SCALINGS = ("none", "linear", "sqrt")
 # Accelerate's DynamoBackend values that train on GPUs or CPUs (the rest: inference-only, other devices, or gone).
 TORCH_COMPILE_BACKENDS = ("inductor", "cudagraphs", "aot_eager", "eager")
 DDP_COMM_HOOKS = ("none", "fp16", "bf16")
+TEACHER_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Flags whose empty value is a value ("no prompt"), not "unset": unset is None, the teacher's own prompt.
 EMPTY_IS_A_VALUE = ("teacher_query_prompt", "teacher_document_prompt")
 
@@ -64,6 +65,12 @@ class ModelConfig:
     )
     teacher_max_seq_length: int | None = _opt(
         default=None, help="Token limit for the teacher's inputs alone (default: max_seq_length, as the student)."
+    )
+    teacher_dtype: str = _opt(
+        default="auto",
+        choices=TEACHER_DTYPES,
+        help="The teacher's weights and compute: auto = bfloat16 on GPUs that have it natively (compute capability "
+        "8+), float16 on older GPUs, float32 elsewhere. Non-finite teacher vectors stop the run with an error.",
     )
     student_attention_dropout: float | None = _opt(
         default=0.0,

@@ -43,7 +43,10 @@ def load_student(
     """
     path = resolve_model(name)
     overrides = None if attention_dropout is None else dict.fromkeys(ATTENTION_DROPOUT_FIELDS, attention_dropout)
-    student = load_sentence_transformer(path, "cpu", trust_remote_code=trust_remote_code, config_kwargs=overrides)
+    # float32 whatever the checkpoint's dtype: the optimizer keeps float32 weights, mixed precision is autocast's
+    student = load_sentence_transformer(
+        path, "cpu", trust_remote_code=trust_remote_code, dtype=torch.float32, config_kwargs=overrides
+    )
     if overrides:
         _restore_config_fields(student, overrides, trust_remote_code)
     if num_layers is not None:

@@ -41,10 +41,35 @@ BLOCK_ROWS_PER_PROCESS = 16384  # texts each process encodes between two progres
 Role = Literal["query", "document"]
 
 
-def load_teacher(name: str, device: torch.device | str, revision: str | None = None, trust_remote_code: bool = False):  # noqa: ANN201 - SentenceTransformer, imported lazily
-    """Load a SentenceTransformer teacher for inference; half precision on CUDA, float32 elsewhere."""
+def teacher_dtype(choice: str, device: torch.device | str) -> str:
+    """The teacher's compute dtype: `choice`, or for "auto" what the device runs fast and safely.
+
+    bfloat16 on GPUs that have it natively (compute capability 8+: A100, H100, L4, RTX 30xx on); below that
+    torch accepts bfloat16 but emulates it in float32 arithmetic (pytorch#148322), so older GPUs (V100, T4)
+    get float16, whose overflow the encoding catches (non-finite vectors are an error). Elsewhere float32.
+    """
+    if choice != "auto":
+        return choice
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "float32"
+    return "bfloat16" if torch.cuda.get_device_capability(device)[0] >= 8 else "float16"
+
+
+def load_teacher(
+    name: str,
+    device: torch.device | str,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    dtype: str = "auto",
+):  # noqa: ANN201 - SentenceTransformer, imported lazily
+    """Load a SentenceTransformer teacher for inference, its weights in `dtype` (see `teacher_dtype`)."""
     return load_sentence_transformer(
-        resolve_model(name, revision), device, revision=revision, trust_remote_code=trust_remote_code, half=True
+        resolve_model(name, revision),
+        device,
+        revision=revision,
+        trust_remote_code=trust_remote_code,
+        dtype=getattr(torch, teacher_dtype(dtype, device)),
     ).eval()
 
 
@@ -53,18 +78,19 @@ def load_sentence_transformer(
     device: torch.device | str,
     revision: str | None = None,
     trust_remote_code: bool = False,
-    half: bool = False,
+    dtype: torch.dtype = torch.float32,
     config_kwargs: dict | None = None,
 ):  # noqa: ANN201
-    """SentenceTransformer(path) with errors turned into one line that says how to fix them.
+    """SentenceTransformer(path) with its weights in `dtype`, errors turned into one line that says how to fix them.
 
-    `config_kwargs` override fields of the backbone's transformers config before it is built.
+    The dtype is always passed: transformers 5 loads a checkpoint in the dtype it was saved in by default
+    (`dtype="auto"`), so a student saved in bfloat16 (Qwen3-Embedding, say) would train in pure bfloat16 and
+    a float16 teacher would run in float16 on a CPU. `config_kwargs` override fields of the backbone's
+    transformers config before it is built.
     """
     from sentence_transformers import SentenceTransformer
 
-    kwargs = {}
-    if half and torch.device(device).type == "cuda":
-        kwargs["model_kwargs"] = {"torch_dtype": torch.bfloat16}
+    kwargs = {"model_kwargs": {"dtype": dtype}}
     if config_kwargs:
         kwargs["config_kwargs"] = config_kwargs
     try:
@@ -106,7 +132,7 @@ class TeacherSpec:
         declared = teacher_prompts(path, config.teacher_revision)
         query = role_prompt(declared, config.teacher_query_prompt, "query", path)
         document = role_prompt(declared, config.teacher_document_prompt, "document", path)
-        dtype = "bfloat16" if device.type == "cuda" else "float32"
+        dtype = teacher_dtype(config.teacher_dtype, device)
         # Unset, the teacher reads what the student reads; the teacher's own limit only when the student's is unknown.
         max_length = (
             config.teacher_max_seq_length or config.max_seq_length or student_max_seq_length(config.student_model)
@@ -190,6 +216,29 @@ def texts_fingerprint(texts: list[str]) -> str:
         digest.update(len(encoded).to_bytes(8, "little"))  # length prefix: ["ab","c"] != ["a","bc"]
         digest.update(encoded)
     return digest.hexdigest()
+
+
+NON_FINITE_FIX = {
+    "float16": "float16 overflows in this teacher's activations: pass --teacher_dtype bfloat16 (GPUs of compute "
+    "capability 8+) or float32",
+    "bfloat16": "pass --teacher_dtype float32",
+    "float32": "check the teacher's weights for NaN or inf values (a broken or partly written checkpoint)",
+}
+
+
+def check_finite(vectors: np.ndarray, rows: np.ndarray, texts: list[str], spec: TeacherSpec) -> None:
+    """A DistillError if any teacher vector (row i is the text `texts[rows[i]]`) holds NaN or inf.
+
+    Called before the vectors are cached: a non-finite target would make the student's loss NaN at the
+    first batch that holds it, far from its cause, and stay in the cache for every later run.
+    """
+    bad = np.unique(rows[~np.isfinite(vectors).all(axis=1)])
+    if len(bad):
+        raise DistillError(
+            f"teacher {spec.path!r} computing in {spec.compute_dtype} gave non-finite vectors (NaN or inf) for "
+            f"{len(bad)} texts, the first text #{bad[0]} ({texts[bad[0]][:60]!r}); "
+            f"{NON_FINITE_FIX[spec.compute_dtype]}. No cache entry was written"
+        )
 
 
 class TeacherCache:
@@ -315,6 +364,8 @@ class TeacherCache:
                 return teacher.preprocess([texts[rows[i]] for i in indices], prompt=prompt or None)
 
             def sink(indices: np.ndarray, vectors: np.ndarray, rows: np.ndarray = rows) -> None:
+                # every rank gets every gathered chunk, so every rank raises here at the same chunk: none waits
+                check_finite(vectors, rows[indices], texts, self.spec)
                 if writer is not None:
                     writer.write(rows[indices], vectors)
 
@@ -335,7 +386,11 @@ class TeacherCache:
             started = time.perf_counter()
             with self.accelerator.local_main_process_first():  # one download per machine
                 self.teacher = load_teacher(
-                    self.spec.path, self.accelerator.device, self.spec.revision, self.spec.trust_remote_code
+                    self.spec.path,
+                    self.accelerator.device,
+                    self.spec.revision,
+                    self.spec.trust_remote_code,
+                    self.spec.compute_dtype,
                 )
             if self.spec.max_seq_length:
                 self.teacher.max_seq_length = self.spec.max_seq_length

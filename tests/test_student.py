@@ -148,6 +148,19 @@ def test_attention_dropout_is_set_for_training_and_the_config_keeps_the_models_o
     assert attention_dropouts(load_student(str(folder), attention_dropout=0.2)) == [0.2] * 4
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_student_saved_in_half_precision_trains_in_float32(
+    tiny_models: dict[str, Path], tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """transformers 5 loads a checkpoint in its saved dtype unless told (Qwen3-Embedding is saved in bfloat16): the
+    optimizer would update half-precision weights, and autocast's mixed precision expects float32 ones."""
+    SentenceTransformer(str(tiny_models["student"]), device="cpu").to(dtype).save(str(tmp_path / "half"))
+    assert next(SentenceTransformer(str(tmp_path / "half"), device="cpu").parameters()).dtype == dtype  # as saved
+    for dropout in (None, 0.0):  # with and without config overrides
+        student = load_student(str(tmp_path / "half"), num_layers=2, attention_dropout=dropout)
+        assert {parameter.dtype for parameter in student.parameters()} == {torch.float32}
+
+
 def test_pruning_to_more_layers_than_exist(tiny_models: dict[str, Path]) -> None:
     student = SentenceTransformer(str(tiny_models["student"]), device="cpu")
     with pytest.raises(DistillError, match=r"the student has 4 layers, cannot keep 5; pass a number from 1 to 4"):

@@ -8,10 +8,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from accelerate import Accelerator
 
 import distill.cache as cache_module
@@ -835,3 +837,133 @@ def run_on_two_processes(driver: str, teacher: Path, cache_dir: Path, tmp_path: 
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def saved_copy(model: Path, folder: Path, edit: Callable[[object], object]) -> Path:
+    """`model` loaded, changed in place by `edit(model)`, and saved to `folder`."""
+    from sentence_transformers import SentenceTransformer
+
+    copy = SentenceTransformer(str(model), device="cpu")
+    edit(copy)
+    copy.save(str(folder), create_model_card=False)
+    return folder
+
+
+def poison_word(word: str) -> Callable[[object], None]:
+    """An edit that makes the word's embedding NaN: every text holding it encodes to NaN, the others are finite."""
+
+    def edit(model) -> None:  # noqa: ANN001 - SentenceTransformer
+        with torch.no_grad():
+            model[0].auto_model.embeddings.word_embeddings.weight[model.tokenizer.convert_tokens_to_ids(word)] = np.nan
+
+    return edit
+
+
+def committed_entries(cache_dir: Path) -> list[Path]:
+    return [path for path in cache_entries(cache_dir) if cache_module.KEY.fullmatch(path.name)]
+
+
+def test_non_finite_teacher_vectors_stop_the_run_and_are_not_cached(
+    accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """A NaN teacher vector would make the student's loss NaN at the first batch holding it and stay cached."""
+    teacher = saved_copy(tiny_models["teacher"], tmp_path / "poisoned", poison_word("river"))
+    texts = [text for text in sentences(40, seed=5) if "river" not in text]
+    texts[7:7] = ["the river was light."]
+    texts.append("a river.")
+    cache = make_cache(accelerator, teacher, tmp_path / "cache")
+    with pytest.raises(DistillError) as raised:
+        cache.embeddings(texts, "document")
+    assert str(raised.value) == (
+        f"teacher {str(teacher)!r} computing in float32 gave non-finite vectors (NaN or inf) for 2 texts, the first "
+        "text #7 ('the river was light.'); check the teacher's weights for NaN or inf values (a broken or partly "
+        "written checkpoint). No cache entry was written"
+    )
+    assert committed_entries(tmp_path / "cache") == []
+    clean = [text for text in texts if "river" not in text]  # the same teacher's finite vectors are cached
+    assert np.isfinite(cache.embeddings(clean, "document")).all()
+    assert len(committed_entries(tmp_path / "cache")) == 1
+
+
+def test_the_fix_for_non_finite_vectors_follows_the_compute_dtype(tmp_path: Path) -> None:
+    texts = ["a", "b"]
+    for dtype, fix in [("float16", "pass --teacher_dtype bfloat16"), ("bfloat16", "pass --teacher_dtype float32")]:
+        spec = TeacherSpec("t", None, 64, "", False, dtype)
+        with pytest.raises(DistillError, match=f"computing in {dtype} gave .* for 1 texts, .*'b'.*; .*{fix}"):
+            teacher_module.check_finite(np.array([[1.0, 0.0], [np.inf, 0.0]]), np.array([0, 1]), texts, spec)
+        teacher_module.check_finite(np.eye(2), np.array([0, 1]), texts, spec)  # finite: no error
+
+
+def test_auto_teacher_dtype_is_bfloat16_only_where_the_gpu_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before compute capability 8 (V100, T4) bfloat16 is emulated in float32 arithmetic: float16 is what runs fast."""
+    from distill.teacher import teacher_dtype
+
+    capability = {"value": (8, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    gpu = torch.device("cuda", 0)
+    assert teacher_dtype("auto", "cpu") == "float32"
+    assert teacher_dtype("auto", gpu) == "bfloat16"
+    capability["value"] = (9, 0)
+    assert teacher_dtype("auto", gpu) == "bfloat16"
+    capability["value"] = (7, 5)
+    assert teacher_dtype("auto", gpu) == "float16"
+    assert teacher_dtype("float32", gpu) == "float32"
+    assert teacher_dtype("bfloat16", "cpu") == "bfloat16"
+
+
+def test_a_teacher_saved_in_half_precision_computes_in_the_chosen_dtype(
+    accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """transformers 5 loads a checkpoint in its saved dtype unless told; the cache key's dtype must be the real one."""
+    from sentence_transformers import SentenceTransformer
+
+    teacher = saved_copy(tiny_models["teacher"], tmp_path / "bf16", lambda model: model.to(torch.bfloat16))
+    texts = sentences(24, seed=6)
+    as_float32 = SentenceTransformer(str(teacher), device="cpu", model_kwargs={"dtype": torch.float32})
+    expected = as_float32.encode(texts, normalize_embeddings=True)
+    cache = make_cache(accelerator, teacher, tmp_path / "cache")
+    vectors = cache.embeddings(texts, "document")
+    assert cache.spec.compute_dtype == "float32"
+    assert {parameter.dtype for parameter in cache.teacher.parameters()} == {torch.float32}
+    np.testing.assert_allclose(vectors, expected, atol=2e-3)
+
+    config = ModelConfig(teacher_model=str(teacher), teacher_dtype="bfloat16")
+    in_bf16 = TeacherCache(accelerator, TeacherSpec.from_config(config, accelerator.device), tmp_path / "cache", 8)
+    half_vectors = in_bf16.embeddings(texts, "document")
+    assert {parameter.dtype for parameter in in_bf16.teacher.parameters()} == {torch.bfloat16}
+    assert len(committed_entries(tmp_path / "cache")) == 2  # its own entry: the dtype is part of the key
+    assert np.abs(half_vectors.astype(np.float32) - expected).max() > 2e-3  # so the check above can tell them apart
+
+
+NON_FINITE_ON_TWO_PROCESSES = """
+import json, sys
+from datetime import timedelta
+from pathlib import Path
+from accelerate import Accelerator, InitProcessGroupKwargs
+import distill.teacher as teacher_module
+from distill.config import ModelConfig
+from distill.errors import DistillError
+
+model, cache_dir, texts_file, out = sys.argv[1:5]
+accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=40))])
+spec = teacher_module.TeacherSpec.from_config(ModelConfig(teacher_model=model), accelerator.device)
+cache = teacher_module.TeacherCache(accelerator, spec, cache_dir, batch_size=4)
+try:
+    cache.embeddings(json.loads(Path(texts_file).read_text()), "document")
+    seen = "no error"
+except DistillError as e:
+    seen = str(e)
+Path(f"{out}.{accelerator.process_index}").write_text(seen)
+"""
+
+
+@pytest.mark.multiprocess
+def test_non_finite_vectors_stop_every_process_at_once(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """Whichever rank encoded the bad text, every rank raises the same error (none is left waiting in a gather)."""
+    teacher = saved_copy(tiny_models["teacher"], tmp_path / "poisoned", poison_word("river"))
+    texts = [text for text in sentences(30, seed=5) if "river" not in text] + ["the river was light."]
+    (tmp_path / "texts.json").write_text(json.dumps(texts))
+    run_on_two_processes(NON_FINITE_ON_TWO_PROCESSES, teacher, tmp_path / "cache", tmp_path)
+    seen = [(tmp_path / f"seen.{rank}").read_text() for rank in (0, 1)]
+    assert seen[0] == seen[1] and "gave non-finite vectors (NaN or inf) for 1 texts" in seen[0], seen
+    assert committed_entries(tmp_path / "cache") == []
