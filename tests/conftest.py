@@ -19,26 +19,34 @@ WORDS = (
 ).split()
 
 
-def build_tiny_model(folder: Path, hidden: int, layers: int, seed: int) -> Path:
-    """A random-init BERT SentenceTransformer (mean pooling + Normalize), dropout off, saved to `folder`."""
-    import torch
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
-    from transformers import BertConfig, BertModel, BertTokenizerFast
+def tiny_tokenizer(raw: Path, padding_side: str = "right") -> int:
+    """A word-level BERT tokenizer over WORDS (each one token) saved to `raw`; returns its vocabulary size."""
+    from transformers import BertTokenizerFast
 
-    folder.mkdir(parents=True, exist_ok=True)
-    raw = folder / "hf"
-    raw.mkdir(exist_ok=True)
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *string.ascii_lowercase, *string.digits, *".,!?'-"]
     vocab += [f"##{c}" for c in string.ascii_lowercase + string.digits] + WORDS
     ids = {token: i for i, token in enumerate(dict.fromkeys(vocab))}
     # transformers 5 ignores `vocab_file` here (the tokenizer kept its 5 special tokens and read every word as
     # [UNK]); the mapping itself is what it takes.
-    tokenizer = BertTokenizerFast(vocab=ids, do_lower_case=True)
+    tokenizer = BertTokenizerFast(vocab=ids, do_lower_case=True, padding_side=padding_side)
     assert len(tokenizer) == len(ids) and "[UNK]" not in tokenizer.tokenize(" ".join(WORDS) + ".")
     tokenizer.save_pretrained(raw)
+    return len(ids)
+
+
+def build_tiny_model(folder: Path, hidden: int, layers: int, seed: int) -> Path:
+    """A random-init BERT SentenceTransformer (mean pooling + Normalize), dropout off, saved to `folder`."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    from transformers import BertConfig, BertModel
+
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = folder / "hf"
+    raw.mkdir(exist_ok=True)
+    vocab_size = tiny_tokenizer(raw)
     config = BertConfig(
-        vocab_size=len(ids),
+        vocab_size=vocab_size,
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=2,
@@ -56,6 +64,37 @@ def build_tiny_model(folder: Path, hidden: int, layers: int, seed: int) -> Path:
     )
     saved = SentenceTransformer(str(folder / "st"), device="cpu").tokenizer  # what every test loads
     assert all(saved.tokenize(word) == [word] for word in WORDS), "a tiny-model word is not one vocabulary token"
+    return folder / "st"
+
+
+def build_tiny_decoder(folder: Path, seed: int = 4) -> Path:
+    """A Qwen3-Embedding-like SentenceTransformer: a 4-layer 32-d decoder saved in bfloat16, left padding,
+    last-token pooling + Normalize (the layout of today's LLM-based embedding models, at toy size)."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    from transformers import Qwen3Config, Qwen3Model
+
+    raw = folder / "hf"
+    raw.mkdir(parents=True, exist_ok=True)
+    config = Qwen3Config(
+        vocab_size=tiny_tokenizer(raw, padding_side="left"),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=128,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    Qwen3Model(config).to(torch.bfloat16).save_pretrained(raw)
+    transformer = Transformer(str(raw), max_seq_length=64)
+    pooling = Pooling(transformer.get_word_embedding_dimension(), "lasttoken")
+    SentenceTransformer(modules=[transformer, pooling, Normalize()], device="cpu").save(
+        str(folder / "st"), create_model_card=False
+    )
     return folder / "st"
 
 

@@ -18,7 +18,7 @@ from accelerate import Accelerator
 
 import distill.cache as cache_module
 import distill.teacher as teacher_module
-from conftest import sentences
+from conftest import build_tiny_decoder, sentences
 from distill.cache import CACHE_FORMAT
 from distill.config import ModelConfig
 from distill.errors import DistillError
@@ -74,6 +74,18 @@ def test_embeddings_match_the_teacher(accelerator: Accelerator, tiny_models: dic
     expected = reference_embeddings(tiny_models["teacher"], texts)
     np.testing.assert_allclose(np.asarray(vectors, dtype=np.float32), expected, atol=2e-3)
     np.testing.assert_allclose(np.linalg.norm(np.asarray(vectors, dtype=np.float32), axis=1), 1.0, atol=2e-3)
+
+
+def test_a_decoder_teachers_vectors_match_its_own_encode(accelerator: Accelerator, tmp_path: Path) -> None:
+    """The 7B retrievers' layout (left padding, last-token pooling): the cache's token-sorted batches change nothing."""
+    from sentence_transformers import SentenceTransformer
+
+    teacher = build_tiny_decoder(tmp_path / "decoder")
+    texts = sentences(37, seed=12)
+    vectors = make_cache(accelerator, teacher, tmp_path / "cache").embeddings(texts, "document")
+    reference = SentenceTransformer(str(teacher), device="cpu", model_kwargs={"dtype": torch.float32})
+    expected = reference.encode(texts, normalize_embeddings=True, batch_size=5)  # other batches, other padding
+    np.testing.assert_allclose(np.asarray(vectors, dtype=np.float32), expected, atol=2e-3)
 
 
 def test_query_prompt_is_applied(accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path) -> None:

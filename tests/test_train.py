@@ -17,7 +17,7 @@ from accelerate import PartialState
 from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer
 
-from conftest import reset_accelerate, tiny_run_flags
+from conftest import build_tiny_decoder, reset_accelerate, tiny_run_flags
 from distill.allocator import heap_allocator
 from distill.errors import DistillError
 from distill.train import main
@@ -95,6 +95,27 @@ def test_tiny_run_projection_mode_end_to_end(tiny_models, tiny_data, tmp_path, c
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
     assert student.encode(["a river"]).shape == (1, 32)
     assert "## Evaluation" in (out / "artifacts" / "model" / "README.md").read_text()
+
+
+def test_a_decoder_student_saved_in_bfloat16_trains_and_exports(tiny_models, tiny_data, tmp_path):
+    """The Qwen3-Embedding layout (bf16 checkpoint, left padding, last-token pooling), pruned and checkpointed."""
+    student = build_tiny_decoder(tmp_path / "decoder")
+    out = tmp_path / "run"
+    flags = tiny_run_flags(tiny_models, tiny_data, out, student_model=student, student_num_layers=2)
+    assert main([*flags, "--gradient_checkpointing", "True", "--save_to_artifacts"]) == 0
+    results = results_of(out)
+    for phase in ("phase1", "phase2"):
+        assert all(np.isfinite(results["phases"][phase]["losses"]))
+    assert results["student_after"]["teacher_cosine"] > results["student_before"]["teacher_cosine"] + 0.01
+    model = SentenceTransformer(str(out / "artifacts" / "model"), device="cpu")
+    assert {parameter.dtype for parameter in model.parameters()} == {torch.float32}
+    config = json.loads((out / "artifacts" / "model" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2 and len(config["layer_types"]) == 2
+    assert model.tokenizer.padding_side == "left" and model[1].pooling_mode == "lasttoken"
+    alone = model.encode(["a river"])
+    beside_a_longer_text = model.encode(["a river", "the king of the city was at war with the world"])[:1]
+    np.testing.assert_allclose(alone, beside_a_longer_text, atol=1e-5)  # the pooled last token is the real one
+    assert alone.shape == (1, 48)
 
 
 def test_second_run_reuses_the_teacher_cache_without_loading_the_teacher(tiny_models, tiny_data, tmp_path, monkeypatch):
