@@ -226,18 +226,19 @@ NON_FINITE_FIX = {
 }
 
 
-def check_finite(vectors: np.ndarray, rows: np.ndarray, texts: list[str], spec: TeacherSpec) -> None:
+def check_finite(vectors: np.ndarray, rows: np.ndarray, texts: list[str], role: Role, spec: TeacherSpec) -> None:
     """A DistillError if any teacher vector (row i is the text `texts[rows[i]]`) holds NaN or inf.
 
-    Called before the vectors are cached: a non-finite target would make the student's loss NaN at the
-    first batch that holds it, far from its cause, and stay in the cache for every later run.
+    Called on each gathered chunk before it is cached: a non-finite target would make the student's loss
+    NaN at the first batch that holds it, far from its cause, and stay in the cache for every later run.
     """
     bad = np.unique(rows[~np.isfinite(vectors).all(axis=1)])
     if len(bad):
         raise DistillError(
             f"teacher {spec.path!r} computing in {spec.compute_dtype} gave non-finite vectors (NaN or inf) for "
-            f"{len(bad)} texts, the first text #{bad[0]} ({texts[bad[0]][:60]!r}); "
-            f"{NON_FINITE_FIX[spec.compute_dtype]}. No cache entry was written"
+            f"{len(bad)} of the {len(np.unique(rows))} {role} texts of the chunk where it first happened, the first "
+            f"text #{bad[0]} ({texts[bad[0]][:60]!r}); {NON_FINITE_FIX[spec.compute_dtype]}. No cache entry was "
+            "written"
         )
 
 
@@ -365,7 +366,7 @@ class TeacherCache:
 
             def sink(indices: np.ndarray, vectors: np.ndarray, rows: np.ndarray = rows) -> None:
                 # every rank gets every gathered chunk, so every rank raises here at the same chunk: none waits
-                check_finite(vectors, rows[indices], texts, self.spec)
+                check_finite(vectors, rows[indices], texts, role, self.spec)
                 if writer is not None:
                     writer.write(rows[indices], vectors)
 

@@ -887,9 +887,10 @@ def test_non_finite_teacher_vectors_stop_the_run_and_are_not_cached(
     with pytest.raises(DistillError) as raised:
         cache.embeddings(texts, "document")
     assert str(raised.value) == (
-        f"teacher {str(teacher)!r} computing in float32 gave non-finite vectors (NaN or inf) for 2 texts, the first "
-        "text #7 ('the river was light.'); check the teacher's weights for NaN or inf values (a broken or partly "
-        "written checkpoint). No cache entry was written"
+        f"teacher {str(teacher)!r} computing in float32 gave non-finite vectors (NaN or inf) for 2 of the "
+        f"{len(texts)} document texts of the chunk where it first happened, the first text #7 ('the river was "
+        "light.'); check the teacher's weights for NaN or inf values (a broken or partly written checkpoint). No "
+        "cache entry was written"
     )
     assert committed_entries(tmp_path / "cache") == []
     clean = [text for text in texts if "river" not in text]  # the same teacher's finite vectors are cached
@@ -901,9 +902,9 @@ def test_the_fix_for_non_finite_vectors_follows_the_compute_dtype(tmp_path: Path
     texts = ["a", "b"]
     for dtype, fix in [("float16", "pass --teacher_dtype bfloat16"), ("bfloat16", "pass --teacher_dtype float32")]:
         spec = TeacherSpec("t", None, 64, "", False, dtype)
-        with pytest.raises(DistillError, match=f"computing in {dtype} gave .* for 1 texts, .*'b'.*; .*{fix}"):
-            teacher_module.check_finite(np.array([[1.0, 0.0], [np.inf, 0.0]]), np.array([0, 1]), texts, spec)
-        teacher_module.check_finite(np.eye(2), np.array([0, 1]), texts, spec)  # finite: no error
+        with pytest.raises(DistillError, match=f"computing in {dtype} gave .* for 1 of the 2 query texts .*'b'.*{fix}"):
+            teacher_module.check_finite(np.array([[1.0, 0.0], [np.inf, 0.0]]), np.array([0, 1]), texts, "query", spec)
+        teacher_module.check_finite(np.eye(2), np.array([0, 1]), texts, "query", spec)  # finite: no error
 
 
 def test_auto_teacher_dtype_is_bfloat16_only_where_the_gpu_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -977,5 +978,5 @@ def test_non_finite_vectors_stop_every_process_at_once(tiny_models: dict[str, Pa
     (tmp_path / "texts.json").write_text(json.dumps(texts))
     run_on_two_processes(NON_FINITE_ON_TWO_PROCESSES, teacher, tmp_path / "cache", tmp_path)
     seen = [(tmp_path / f"seen.{rank}").read_text() for rank in (0, 1)]
-    assert seen[0] == seen[1] and "gave non-finite vectors (NaN or inf) for 1 texts" in seen[0], seen
+    assert seen[0] == seen[1] and "gave non-finite vectors (NaN or inf) for 1 of the" in seen[0], seen
     assert committed_entries(tmp_path / "cache") == []
