@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import string
 from pathlib import Path
 
@@ -11,6 +12,11 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Started in the background of a shell without job control (`make test &` in a script), the suite inherits SIGINT
+# ignored, and so would every process it starts; distill keeps an ignored SIGINT ignored (such a run is not meant to
+# stop on Ctrl-C), so the tests that send SIGINT need Python's own handler back. A terminal or CI start has it already.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 WORDS = (
     "the a of and to in is was for on that with as by at from his her it an were are which this be or "
