@@ -40,11 +40,25 @@ def tiny_tokenizer(raw: Path, padding_side: str = "right") -> int:
     return len(ids)
 
 
+def save_sentence_transformer(raw: Path, pooling_mode: str) -> Path:
+    """The Hugging Face model in `raw` as a SentenceTransformer (`pooling_mode` pooling + Normalize) in `../st`."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    transformer = Transformer(str(raw), max_seq_length=64)
+    pooling = Pooling(transformer.get_word_embedding_dimension(), pooling_mode)
+    folder = raw.parent / "st"
+    SentenceTransformer(modules=[transformer, pooling, Normalize()], device="cpu").save(
+        str(folder), create_model_card=False
+    )
+    saved = SentenceTransformer(str(folder), device="cpu").tokenizer  # what every test loads
+    assert all(saved.tokenize(word) == [word] for word in WORDS), "a tiny-model word is not one vocabulary token"
+    return folder
+
+
 def build_tiny_model(folder: Path, hidden: int, layers: int, seed: int) -> Path:
     """A random-init BERT SentenceTransformer (mean pooling + Normalize), dropout off, saved to `folder`."""
     import torch
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
     from transformers import BertConfig, BertModel
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -63,22 +77,13 @@ def build_tiny_model(folder: Path, hidden: int, layers: int, seed: int) -> Path:
     )
     torch.manual_seed(seed)
     BertModel(config).save_pretrained(raw)
-    transformer = Transformer(str(raw), max_seq_length=64)
-    pooling = Pooling(transformer.get_word_embedding_dimension(), "mean")
-    SentenceTransformer(modules=[transformer, pooling, Normalize()], device="cpu").save(
-        str(folder / "st"), create_model_card=False
-    )
-    saved = SentenceTransformer(str(folder / "st"), device="cpu").tokenizer  # what every test loads
-    assert all(saved.tokenize(word) == [word] for word in WORDS), "a tiny-model word is not one vocabulary token"
-    return folder / "st"
+    return save_sentence_transformer(raw, "mean")
 
 
 def build_tiny_decoder(folder: Path, seed: int = 4) -> Path:
     """A Qwen3-Embedding-like SentenceTransformer: a 4-layer 32-d decoder saved in bfloat16, left padding,
     last-token pooling + Normalize (the layout of today's LLM-based embedding models, at toy size)."""
     import torch
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
     from transformers import Qwen3Config, Qwen3Model
 
     raw = folder / "hf"
@@ -96,12 +101,7 @@ def build_tiny_decoder(folder: Path, seed: int = 4) -> Path:
     )
     torch.manual_seed(seed)
     Qwen3Model(config).to(torch.bfloat16).save_pretrained(raw)
-    transformer = Transformer(str(raw), max_seq_length=64)
-    pooling = Pooling(transformer.get_word_embedding_dimension(), "lasttoken")
-    SentenceTransformer(modules=[transformer, pooling, Normalize()], device="cpu").save(
-        str(folder / "st"), create_model_card=False
-    )
-    return folder / "st"
+    return save_sentence_transformer(raw, "lasttoken")
 
 
 @pytest.fixture(scope="session")
