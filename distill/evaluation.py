@@ -3,6 +3,11 @@
 Every process encodes its share of the evaluation texts and the vectors are gathered, so all ranks
 compute the same metrics and none waits alone in a collective. The teacher is scored from its cached
 vectors, in the same way, so its row costs no model at all.
+
+The metrics are sentence-transformers' own: nDCG@10 and MRR@10 come from `InformationRetrievalEvaluator`'s metric
+computation, handed the hits ranked over the gathered vectors (the evaluator itself would encode on one process),
+and STS is the Spearman correlation of cosines that its `EmbeddingSimilarityEvaluator` reports. A test checks both
+against those evaluators run on an exported model.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from scipy.stats import spearmanr
+from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
 from distill.batching import TokenizedTexts, map_sharded
 from distill.data import EvalSet
@@ -47,29 +53,68 @@ def _unit(vectors: np.ndarray) -> np.ndarray:
     return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
 
 
-def retrieval_ranks(queries: np.ndarray, corpus: np.ndarray, relevant: list[int]) -> np.ndarray:
-    """Per query, the 0-based rank of its one relevant passage among the top 10 by cosine; -1 outside them."""
+def top_hits(queries: np.ndarray, corpus: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per query, the cosines and corpus rows of its 10 best passages, best first, equal scores in corpus order.
+
+    That order is the one sentence-transformers' `InformationRetrievalEvaluator` ranks by (score, then corpus id).
+    Returns `(scores, rows)`, each of shape (queries, min(10, corpus)).
+    """
     scores = torch.from_numpy(_unit(queries) @ _unit(corpus).T)  # (queries, corpus)
-    top = torch.topk(scores, k=min(TOP_K, scores.shape[1]), dim=1).indices.numpy()
-    hits = top == np.asarray(relevant)[:, None]  # (queries, k): at most one True per row
+    ordered = torch.sort(scores, dim=1, descending=True, stable=True)  # stable: a tie keeps the lower row first
+    k = min(TOP_K, scores.shape[1])
+    return ordered.values[:, :k].numpy(), ordered.indices[:, :k].numpy()
+
+
+def ranks_of(rows: np.ndarray, relevant: list[int]) -> np.ndarray:
+    """Per query, the 0-based position of its relevant passage in its `top_hits` rows; -1 outside them."""
+    hits = rows == np.asarray(relevant)[:, None]  # (queries, k): at most one True per row
     return np.where(hits.any(axis=1), hits.argmax(axis=1), -1)
 
 
+def retrieval_ranks(queries: np.ndarray, corpus: np.ndarray, relevant: list[int]) -> np.ndarray:
+    """Per query, the 0-based rank of its one relevant passage among the top 10 by cosine; -1 outside them."""
+    return ranks_of(top_hits(queries, corpus)[1], relevant)
+
+
 def ndcg_per_query(ranks: np.ndarray) -> np.ndarray:
-    """nDCG@10 of each query from its rank (one relevant passage: 1 / log2(rank + 2), 0 outside the top 10)."""
+    """nDCG@10 of each query from its rank (one relevant passage: 1 / log2(rank + 2), 0 outside the top 10).
+
+    Its mean is the evaluator's nDCG@10 (`hits_metrics`); the quality benchmark's paired bootstrap needs it per query.
+    """
     ranks = np.asarray(ranks)
     return np.where(ranks >= 0, 1.0 / np.log2(np.maximum(ranks, 0) + 2.0), 0.0)
 
 
-def rank_metrics(ranks: np.ndarray) -> dict[str, float]:
-    ranks = np.asarray(ranks)
-    mrr = np.where(ranks >= 0, 1.0 / (np.maximum(ranks, 0) + 1.0), 0.0)
-    return {"ndcg@10": float(ndcg_per_query(ranks).mean()), "mrr@10": float(mrr.mean())}
+def hits_metrics(scores: np.ndarray, rows: np.ndarray, relevant: list[int], corpus_size: int) -> dict[str, float]:
+    """nDCG@10 and MRR@10 of ranked hits (`top_hits`), by sentence-transformers' `InformationRetrievalEvaluator`.
+
+    The evaluator encodes with its model on one process; distill encodes sharded over every process and gathers,
+    so it hands the evaluator's own metric computation (`compute_metrics`) the hits ranked from those vectors.
+    """
+    width = len(str(max(corpus_size - 1, 0)))
+    corpus_id = [f"{row:0{width}d}" for row in range(corpus_size)]  # zero-padded: id order is row order, for ties
+    evaluator = InformationRetrievalEvaluator(
+        queries={str(i): "" for i in range(len(relevant))},  # the texts are not needed: the hits are given
+        corpus=dict.fromkeys(corpus_id, ""),
+        relevant_docs={str(i): {corpus_id[row]} for i, row in enumerate(relevant)},
+        mrr_at_k=[TOP_K],
+        ndcg_at_k=[TOP_K],
+        accuracy_at_k=[TOP_K],
+        precision_recall_at_k=[TOP_K],
+        map_at_k=[TOP_K],
+        write_csv=False,
+    )
+    hits = [
+        [{"corpus_id": corpus_id[row], "score": value} for row, value in zip(query_rows, query_scores)]
+        for query_rows, query_scores in zip(rows.tolist(), scores.tolist())
+    ]
+    metrics = evaluator.compute_metrics(hits)
+    return {"ndcg@10": float(metrics["ndcg@k"][TOP_K]), "mrr@10": float(metrics["mrr@k"][TOP_K])}
 
 
 def retrieval_metrics(queries: np.ndarray, corpus: np.ndarray, relevant: list[int]) -> dict[str, float]:
     """nDCG@10 and MRR@10 with one relevant passage per query, by cosine similarity."""
-    return rank_metrics(retrieval_ranks(queries, corpus, relevant))
+    return hits_metrics(*top_hits(queries, corpus), relevant, len(corpus))
 
 
 def sts_spearman(vectors: np.ndarray, pairs: list[tuple[int, int]], scores: list[float]) -> float:
@@ -86,8 +131,11 @@ def score(vectors: EvalVectors, eval_set: EvalSet, teacher: EvalVectors | None =
     `ranks@10` keeps each query's rank (`retrieval_ranks`), so two models scored on the same set can be
     compared query by query (the quality benchmark's paired bootstrap); it is not a scalar, so trackers skip it.
     """
-    ranks = retrieval_ranks(vectors.queries, vectors.corpus, eval_set.relevant)
-    metrics: dict[str, object] = {**rank_metrics(ranks), "ranks@10": ranks.tolist()}
+    scores, rows = top_hits(vectors.queries, vectors.corpus)
+    metrics: dict[str, object] = {
+        **hits_metrics(scores, rows, eval_set.relevant, len(vectors.corpus)),
+        "ranks@10": ranks_of(rows, eval_set.relevant).tolist(),
+    }
     if vectors.sts is not None and eval_set.sts_pairs:
         metrics["sts_spearman"] = sts_spearman(vectors.sts, eval_set.sts_pairs, eval_set.sts_scores)
     if teacher is not None:

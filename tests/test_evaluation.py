@@ -97,6 +97,28 @@ def test_ranks_per_query_give_the_metrics() -> None:
     assert metrics["ndcg@10"] == pytest.approx(ndcg_per_query(ranks).mean())
 
 
+def test_equal_scores_rank_in_corpus_order_as_sentence_transformers_does() -> None:
+    queries, corpus = np.ones((3, 4)), np.ones((12, 4))  # every passage scores the same for every query
+    assert retrieval_ranks(queries, corpus, [0, 3, 11]).tolist() == [0, 3, -1]
+    metrics = retrieval_metrics(queries, corpus, [0, 3, 11])
+    assert metrics["ndcg@10"] == pytest.approx((1 + 1 / math.log2(5)) / 3)
+    assert metrics["mrr@10"] == pytest.approx((1 + 1 / 4) / 3)
+
+
+def test_per_query_ndcg_averages_to_the_evaluators_ndcg() -> None:
+    """The quality benchmark's paired bootstrap takes nDCG per query from the ranks; its mean is the reported one."""
+    rng = np.random.default_rng(3)
+    queries, corpus = rng.standard_normal((40, 6)), rng.standard_normal((60, 6))
+    relevant = rng.integers(0, 60, size=40).tolist()
+    eval_set = EvalSet([f"q{i}" for i in range(40)], [f"p{j}" for j in range(60)], relevant)
+    metrics = score(EvalVectors(queries, corpus, None), eval_set)
+    ranks = np.asarray(metrics["ranks@10"])
+    assert (ranks >= 0).any() and (ranks == -1).any()  # both kinds of query count
+    assert metrics["ndcg@10"] == pytest.approx(ndcg_per_query(ranks).mean(), abs=1e-12)
+    mrr = np.where(ranks >= 0, 1 / (np.maximum(ranks, 0) + 1.0), 0.0).mean()
+    assert metrics["mrr@10"] == pytest.approx(mrr, abs=1e-12)
+
+
 def test_fewer_passages_than_ten() -> None:
     query, corpus = corpus_with_scores([0.2, 0.6, 0.4])
     assert retrieval_metrics(query, corpus, [0])["mrr@10"] == pytest.approx(1 / 3)

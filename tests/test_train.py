@@ -16,9 +16,15 @@ import torch
 from accelerate import PartialState
 from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer
+from sentence_transformers.sentence_transformer.evaluation import (
+    EmbeddingSimilarityEvaluator,
+    InformationRetrievalEvaluator,
+)
 
 from conftest import build_tiny_decoder, reset_accelerate, tiny_run_flags
 from distill.allocator import heap_allocator
+from distill.config import load_config
+from distill.data import load_data
 from distill.errors import DistillError
 from distill.train import main
 
@@ -66,9 +72,45 @@ def assert_closer_to_the_teacher(results: dict) -> None:
     assert after > phase1 + 0.002, (phase1, after)
 
 
+def assert_sentence_transformers_evaluators_agree(
+    flags: list[str], model: SentenceTransformer, row: dict, matryoshka_dims: tuple[int, ...] = ()
+) -> None:
+    """results.json's nDCG@10, MRR@10, STS and Matryoshka nDCG@10 equal what sentence-transformers' own evaluators,
+    encoding with the exported model on one process, report for it (distill encodes sharded, with its own batches)."""
+    config = load_config(flags)
+    evaluation = load_data(config.data, config.training.seed).evaluation
+    assert evaluation.sts_pairs, "no Lee STS in the evaluation set (gensim missing?): the STS check would be skipped"
+
+    def retrieval(truncate_dim: int | None = None) -> dict[str, float]:
+        return InformationRetrievalEvaluator(
+            queries=dict(enumerate(evaluation.queries)),
+            corpus=dict(enumerate(evaluation.corpus)),
+            relevant_docs={i: {row} for i, row in enumerate(evaluation.relevant)},
+            mrr_at_k=[10],
+            ndcg_at_k=[10],
+            write_csv=False,
+            truncate_dim=truncate_dim,
+        )(model)
+
+    full = retrieval()
+    assert row["ndcg@10"] == pytest.approx(full["cosine_ndcg@10"], abs=1e-6)
+    assert row["mrr@10"] == pytest.approx(full["cosine_mrr@10"], abs=1e-6)
+    for dim in matryoshka_dims:
+        assert row["matryoshka_ndcg@10"][str(dim)] == pytest.approx(retrieval(dim)["cosine_ndcg@10"], abs=1e-6), dim
+    left, right = zip(*evaluation.sts_pairs)
+    sts = EmbeddingSimilarityEvaluator(
+        [evaluation.sts_texts[i] for i in left],
+        [evaluation.sts_texts[i] for i in right],
+        evaluation.sts_scores,
+        write_csv=False,
+    )(model)
+    assert row["sts_spearman"] == pytest.approx(sts["spearman_cosine"], abs=1e-4)
+
+
 def test_tiny_run_projection_mode_end_to_end(tiny_models, tiny_data, tmp_path, caplog):
     out = tmp_path / "run"
-    assert main(tiny_run_flags(tiny_models, tiny_data, out, save_to_artifacts=True)) == 0
+    flags = tiny_run_flags(tiny_models, tiny_data, out, save_to_artifacts=True)
+    assert main(flags) == 0
     results = results_of(out)
     assert results["world_size"] == 1 and results["mode"] == "projection"
     assert results["heap_allocator"] == heap_allocator()
@@ -95,6 +137,7 @@ def test_tiny_run_projection_mode_end_to_end(tiny_models, tiny_data, tmp_path, c
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
     assert student.encode(["a river"]).shape == (1, 32)
     assert "## Evaluation" in (out / "artifacts" / "model" / "README.md").read_text()
+    assert_sentence_transformers_evaluators_agree(flags, model, results["student_after"])
 
 
 def test_a_decoder_student_saved_in_bfloat16_trains_and_exports(tiny_models, tiny_data, tmp_path):
@@ -158,6 +201,7 @@ def test_matryoshka_mode_trains_truncated_dims(tiny_models, tiny_data, tmp_path)
     assert [type(m).__name__ for m in model][-2:] == ["Dense", "Normalize"]
     rotation = model[len(model) - 2].linear.weight.detach()
     torch.testing.assert_close(rotation @ rotation.T, torch.eye(32), atol=1e-4, rtol=0)
+    assert_sentence_transformers_evaluators_agree(flags, model, results["student_after"], matryoshka_dims=(32, 16, 8))
 
 
 def test_matryoshka_without_a_basis_truncates_the_teacher_as_it_is(tiny_models, tiny_data, tmp_path):
