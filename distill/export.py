@@ -157,7 +157,9 @@ def model_card(
     return (
         f"{front}# Distilled student\n\n"
         f"Distilled with `distill` from teacher `{settings.get('teacher_model')}` into "
-        f"`{settings.get('student_model')}` ({dims.get('student')}-d"
+        f"`{settings.get('student_model')}`"
+        + (f" cut to {layers} evenly spaced layers" if (layers := settings.get("student_num_layers")) else "")
+        + f" ({dims.get('student')}-d"
         + (f", projected to the teacher's {dims['output']}-d" if "output" in dims else "")
         + (", Matryoshka" if matryoshka else "")
         + ")."

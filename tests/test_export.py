@@ -182,6 +182,9 @@ def test_model_card_mentions_models_table_and_settings() -> None:
     assert "| ndcg@10 | 0.5000 |" in card
     assert '"batch_size": 8' in card
     assert "projected" not in model_card({}, "", {"student": 32})
+    assert "`small/student` (32-d)" in model_card({"student_model": "small/student"}, "", {"student": 32})
+    pruned = model_card({"student_model": "small/student", "student_num_layers": 3}, "", {"student": 32})
+    assert "`small/student` cut to 3 evenly spaced layers (32-d)" in pruned  # not the whole model it started from
     # a projection to the student's own width still maps into the teacher's space
     assert "(48-d, projected to the teacher's 48-d)." in model_card({}, "", {"student": 48, "output": 48})
 
