@@ -152,7 +152,10 @@ class TrainingConfig:
         help="Texts per teacher forward pass per process (default: batch_size); on running out of GPU memory the "
         "teacher goes on with half as many, so a too-large value costs one failed batch, not the run.",
     )
-    gradient_accumulation_steps: int = _opt(default=1, help="Batches accumulated per optimizer step.")
+    gradient_accumulation_steps: int = _opt(
+        default=1,
+        help="Batches accumulated per optimizer step (an epoch's last, shorter window averages its own batches).",
+    )
     mixed_precision: str | None = _opt(
         default=None, choices=MIXED_PRECISIONS, help="no/fp16/bf16 (default: what the accelerate config says)."
     )

@@ -406,7 +406,11 @@ def train_phase(
         model, settings.lr, settings.weight_decay, settings.projection_lr_scale, accelerator.device.type
     )
     sampler = loader.batch_sampler
-    steps_per_epoch = math.ceil(len(loader) / accelerator.gradient_accumulation_steps)
+    accumulation = accelerator.gradient_accumulation_steps
+    steps_per_epoch = math.ceil(len(loader) / accumulation)
+    # An epoch of batches that is no multiple of the window ends with a shorter window (Accelerate steps at the end of
+    # the loader), whose losses Accelerate still divides by the full window length: scaled back up to their own mean.
+    short_window = len(loader) % accumulation
     total_steps = max(1, steps_per_epoch * settings.epochs)
     scheduler = make_scheduler(
         optimizer, int(settings.warmup_ratio * total_steps), total_steps, settings.backbone_frozen_steps
@@ -469,6 +473,8 @@ def train_phase(
             for batch in batches:
                 with accelerator.accumulate(wrapped):
                     loss, reported = phase_loss(accelerator, wrapped, batch, settings, memory)
+                    if short_window and state.batches_done >= len(loader) - short_window:
+                        loss = loss * (accumulation / short_window)
                     accelerator.backward(loss)
                     signals = (_Preemption.requested, _Preemption.interrupted)
                     global_loss, (term, intr) = batch_verdict(accelerator, reported, signals)

@@ -597,6 +597,38 @@ def test_optimizer_fuses_the_update_where_torch_can_and_matches_the_plain_loop(t
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # a hundredth of one step (lr 1e-3)
 
 
+def optimizer_step_gradients(
+    tiny_models, tiny_data, out: Path, monkeypatch: pytest.MonkeyPatch, accumulation: int
+) -> list[torch.Tensor]:  # noqa: ANN001
+    """The gradient each optimizer step of a phase 1 of 5 batches is taken with; the steps update nothing, so every
+    gradient is taken at the starting weights and runs with other accumulation windows can be compared."""
+    import distill.training
+
+    gradients: list[torch.Tensor] = []
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None):  # noqa: ANN001, ANN202
+            grads = [p.grad.flatten() for group in self.param_groups for p in group["params"] if p.grad is not None]
+            gradients.append(torch.cat(grads).clone())
+
+    monkeypatch.setattr(distill.training, "make_optimizer", lambda model, *args: Recording(model.parameters(), lr=0.1))
+    flags = tiny_run_flags(tiny_models, tiny_data, out, eval_data="none", max_samples_phase1=40, max_grad_norm=0)
+    assert main([*flags, "--skip_phase2", "--gradient_accumulation_steps", str(accumulation)]) == 0
+    return gradients
+
+
+def test_a_short_last_accumulation_window_averages_its_own_batches(tiny_models, tiny_data, tmp_path, monkeypatch):
+    """5 batches in windows of 2: the epoch's last step has one batch, and its gradient is that batch's, not half of
+    it (Accelerate divides every micro-batch loss by the window length it was configured with)."""
+    single = optimizer_step_gradients(tiny_models, tiny_data, tmp_path / "one", monkeypatch, accumulation=1)
+    reset_accelerate()
+    windows = optimizer_step_gradients(tiny_models, tiny_data, tmp_path / "two", monkeypatch, accumulation=2)
+    assert len(single) == 5 and len(windows) == 3
+    for step, (window, batches) in enumerate(zip(windows, (single[0:2], single[2:4], single[4:5]))):
+        expected = torch.stack(batches).mean(dim=0)
+        torch.testing.assert_close(window, expected, rtol=1e-4, atol=1e-7, msg=lambda m, step=step: f"step {step}: {m}")
+
+
 def test_projection_warmup_trains_only_the_projection(tiny_models, tiny_data, tmp_path):
     """With the warm-up longer than phase 1, the backbone leaves phase 1 exactly as it came; without, it moves."""
     start = load_file(str(Path(tiny_models["student"]) / "model.safetensors"))
