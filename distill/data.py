@@ -289,7 +289,7 @@ def iter_records(source: str) -> Iterator[dict[str, Any]]:
                 f"use one of {', '.join(LOCAL_FORMATS)}"
             )
         if fmt == "text":
-            return ({"text": line} for line in _read_text(path, source).splitlines())
+            return ({"text": line} for line in _text_lines(path, source))
         dataset = _load_dataset(fmt, source, data_files=str(path))
     elif looks_local:
         raise DistillError(
@@ -305,14 +305,22 @@ def _chunk(dataset, start: int) -> list[dict[str, Any]]:  # noqa: ANN001 - datas
     return dataset.select(range(start, min(start + CHUNK_ROWS, len(dataset)))).to_list()
 
 
-def _read_text(path: Path, source: str) -> str:
-    try:
-        return path.read_text(encoding="utf8")
-    except UnicodeDecodeError as e:
-        raise DistillError(
-            f"data file {source!r} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8, "
-            f"e.g. iconv -f latin1 -t utf-8 {source} > utf8.txt"
-        ) from None
+def _text_lines(path: Path, source: str) -> Iterator[str]:
+    """The lines of a UTF-8 text file, read one at a time (`str.splitlines` of each, so the same lines as the
+    whole file's `splitlines`): memory holds the texts kept, not the file, and a capped phase stops reading early.
+    """
+    with open(path, "rb") as f:
+        offset = 0
+        for raw in f:
+            try:
+                line = raw.decode("utf8")
+            except UnicodeDecodeError as e:
+                raise DistillError(
+                    f"data file {source!r} is not UTF-8 text ({e.reason} at byte {offset + e.start}); convert it "
+                    f"to UTF-8, e.g. iconv -f latin1 -t utf-8 {source} > utf8.txt"
+                ) from None
+            offset += len(raw)
+            yield from line.splitlines()
 
 
 def _load_dataset(path: str, source: str, from_disk: bool = False, **kwargs: Any):  # noqa: ANN202 - datasets.Dataset

@@ -28,7 +28,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
-from distill.batching import map_sharded
+from distill.batching import TOKENIZE_CHUNK, map_sharded
 from distill.cache import CACHE_FORMAT, CacheWriter, read_entry, touch
 from distill.config import ModelConfig
 from distill.errors import DistillError
@@ -471,11 +471,11 @@ def tokenize_ahead(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-def token_lengths(model, texts: list[str], max_length: int | None, chunk_size: int = 4096) -> list[int]:  # noqa: ANN001
+def token_lengths(model, texts: list[str], max_length: int | None, chunk_size: int = TOKENIZE_CHUNK) -> list[int]:  # noqa: ANN001
     """Token count of each text under `model`'s tokenizer, truncated as the model will truncate it.
 
-    Tokenized in chunks: the fast tokenizer's per-token bookkeeping for 40k texts at once costs a few
-    hundred MB that the heap keeps afterwards.
+    Tokenized in chunks (`TOKENIZE_CHUNK`): the fast tokenizer's per-token bookkeeping for 40k texts at once
+    costs a few hundred MB that the heap keeps afterwards.
     """
     tokenizer = model.tokenizer
     lengths: list[int] = []

@@ -454,6 +454,23 @@ def test_text_file_that_is_not_utf8(tmp_path: Path) -> None:
         load_phase1_texts(str(path), 10)
 
 
+def test_text_file_is_read_line_by_line_with_the_whole_files_lines(tmp_path: Path) -> None:
+    from distill.data import iter_records
+
+    path = tmp_path / "mixed.txt"
+    text = "\ufeffbom first\r\nwindows\rold mac\nform\x0cfeed\nline\u2028separator\n\nemoji \U0001f600 here\nno end"
+    path.write_bytes(text.encode("utf8"))
+    assert [row["text"] for row in iter_records(str(path))] == text.splitlines()
+
+
+def test_a_capped_text_file_is_read_only_as_far_as_it_keeps(tmp_path: Path) -> None:
+    path = tmp_path / "long.txt"
+    path.write_bytes(b"".join(f"sentence {i}\n".encode() for i in range(20_010)) + "caf\xe9\n".encode("latin-1"))
+    assert load_phase1_texts(str(path), 20_000)[-1] == "sentence 19999"  # the bad last line is never read
+    with pytest.raises(DistillError, match=r"not UTF-8 text \(invalid continuation byte at byte 289043\)"):
+        load_phase1_texts(str(path), 20_011)
+
+
 def test_local_dataset_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     shards = tmp_path / "pq"
     shards.mkdir()
