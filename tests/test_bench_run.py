@@ -56,3 +56,39 @@ def test_the_block_says_the_peer_trains_with_the_models_own_attention_dropout() 
     assert "the model's own in the peer" in text
     kept = run.main_block(argparse.Namespace(), _found(None), ["(head)"])  # --student_attention_dropout none
     assert "attention dropout: the model's own in every variant" in kept
+
+
+def test_run_process_reports_the_peak_and_its_file_backed_part(tmp_path: Path) -> None:
+    mapped = tmp_path / "mapped.bin"
+    mapped.write_bytes(b"\1" * (48 << 20))
+    script = (
+        "import mmap, sys, time\n"
+        "f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)\n"
+        "touched = sum(m[i] for i in range(0, len(m), 4096))  # every page of the file resident\n"
+        "heap = b'\\2' * (96 << 20)  # written, so resident\n"
+        "time.sleep(1.0)\n"
+    )
+    process = run.run_process([sys.executable, "-c", script, str(mapped)], tmp_path / "log.txt", preload="")
+    assert process.peak_rss_mib >= 96 + 48
+    assert process.peak_file_mib is not None and 48 <= process.peak_file_mib < 96
+    assert process.peak_rss_mib - process.peak_file_mib >= 96  # the heap is not counted as file-backed
+
+
+def _row(samples: int, peaks: list[float], files: list[float]) -> dict:
+    timing = {"teacher_seconds": 1.0, "train_seconds": 2.0}
+    runs = [run.Process(3.0, peak, dict(timing), peak_file_mib=f) for peak, f in zip(peaks, files)]
+    return {"samples": samples, "how": f"{samples} texts", "allocator": "tcmalloc", "runs": runs}
+
+
+def test_memory_block_takes_the_median_of_each_size_and_names_the_file_backed_part() -> None:
+    args = argparse.Namespace(sweep_repeats=3, launchers="tcmalloc")
+    found = {
+        "rows": [_row(4000, [1200, 1260, 1230], [190, 200, 180]), _row(40000, [1340, 1320, 1400], [220, 230, 210])]
+    }
+    text = run.memory_block(args, found, ["(head)"])
+    assert "| tcmalloc | 4,000 | 4000 texts | 1230 (1200–1260) | 190 (180–200) |" in text
+    # 1340 / 1230 - 1 = +8.9%: under the target
+    assert "- tcmalloc (what `make` and `run_ddp.sh` use here): peak RSS grows by +8.9% for 10x the data" in text
+    assert "(target: less than +10%): met." in text
+    found["rows"][1]["runs"][0].peak_rss_mib = 1360  # median 1360: +10.6%
+    assert "+10.6% for 10x the data (target: less than +10%): NOT met." in run.memory_block(args, found, ["(head)"])
