@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test lint bench bench-gpu clean quality
+.PHONY: setup demo test test-fast lint bench bench-gpu clean quality
 
 setup: $(STAMP)
 
@@ -47,9 +47,14 @@ quality: $(ALLOCATOR)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# The edit-and-test loop: the unit tests, without end-to-end runs or multi-process launches.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow and not multiprocess and not e2e"
+
 lint: $(STAMP)
 	$(BIN)/ruff check distill tests bench
 	$(BIN)/ruff format --check distill tests bench
+	$(BIN)/mypy
 
 # The toolkit against sentence-transformers' recipe and a bare loop, plus --memory and --scaling
 # (about 1 h on 2 CPU cores on tcmalloc; run it on a quiet machine). Writes docs/BENCHMARKS.md.

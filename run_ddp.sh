@@ -43,7 +43,7 @@ if [[ -n "${ACCELERATE_CONFIG:-}" ]]; then  # optional topology file, e.g. accel
         echo "error: ACCELERATE_CONFIG '$ACCELERATE_CONFIG' does not exist; pass one of accelerate_configs/*.yaml" >&2
         exit 2
     fi
-    machines="$("$python" -c 'import sys; from distill.launch import config_file_topology
+    machines="$("$python" -c 'import sys; from distill.distributed import config_file_topology
 print(config_file_topology(sys.argv[1])[0])' "$ACCELERATE_CONFIG")"
     if ((machines > 1)); then
         echo "error: ACCELERATE_CONFIG '$ACCELERATE_CONFIG' names $machines machines, but run_ddp.sh runs NUM_GPUS" \

@@ -25,12 +25,13 @@ def main() -> int:
 
     import torch
 
-    import distill.train as train
+    import distill.student as student
     from distill.student import dense_module
+    from distill.train import main as train_main
 
     if args.random_projection_init:
 
-        def random_projection(student_embeddings, teacher_embeddings):  # noqa: ANN001, ANN202
+        def random_projection(student_embeddings, teacher_embeddings):
             return dense_module()(
                 student_embeddings.shape[1],
                 teacher_embeddings.shape[1],
@@ -38,8 +39,8 @@ def main() -> int:
                 activation_function=torch.nn.Identity(),
             )
 
-        train.least_squares_projection = train.orthogonal_projection = random_projection
-    return train.main(rest)
+        student.least_squares_projection = student.orthogonal_projection = random_projection
+    return train_main(rest)
 
 
 if __name__ == "__main__":

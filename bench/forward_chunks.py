@@ -22,16 +22,16 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality import machine, versions  # noqa: E402
+from quality import machine, versions
 
-from distill import embedded  # noqa: E402
-from distill.batching import LengthGroupedBatchSampler, Phase2Batches, TokenizedTexts, assemble_chunks  # noqa: E402
-from distill.student import load_student  # noqa: E402
+from distill import embedded
+from distill.batching import LengthGroupedBatchSampler, Phase2Batches, TokenizedTexts, assemble_chunks
+from distill.student import load_student
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
 
-def step(student, optimizer, batch: dict) -> None:  # noqa: ANN001
+def step(student, optimizer, batch: dict) -> None:
     """One phase-2 optimizer step: queries and passages (chunked as the collate made them), loss, backward, step."""
     parts = [*batch["queries"]["chunks"], *batch["passages"]["chunks"]]
     outputs = [student(dict(features))["sentence_embedding"] for features in parts]
@@ -47,7 +47,7 @@ def step(student, optimizer, batch: dict) -> None:  # noqa: ANN001
 
 
 def measure(
-    student,  # noqa: ANN001
+    student,
     queries: list[str],
     passages: list[str],
     settings: list[int],

@@ -85,7 +85,7 @@ def machine() -> dict:
             from importlib.metadata import version
 
             info[name] = version(name)
-        except Exception:  # noqa: BLE001 - a missing package is reported as such
+        except Exception:
             info[name] = "not installed"
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         smi = ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
@@ -139,9 +139,8 @@ def load_texts(path: Path, count: int | None) -> list[str]:
     return texts[:count] if count else texts
 
 
-def make_student(path: Path, checkpointing: bool = False):  # noqa: ANN201
-    from distill.student import enable_gradient_checkpointing, load_student
-    from distill.train import freeze_unused_parameters
+def make_student(path: Path, checkpointing: bool = False):
+    from distill.student import enable_gradient_checkpointing, freeze_unused_parameters, load_student
 
     torch.manual_seed(SEED)
     student = load_student(str(path), max_seq_length=MAX_LENGTH, attention_dropout=ATTENTION_DROPOUT)  # as the toolkit
@@ -155,13 +154,13 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def grouped_batches(tokens, batch_size: int) -> list[list[int]]:  # noqa: ANN001
+def grouped_batches(tokens, batch_size: int) -> list[list[int]]:
     from distill.batching import LengthGroupedBatchSampler
 
     return list(LengthGroupedBatchSampler(tokens.lengths, batch_size, SEED))
 
 
-def collate(tokens, batches: list[list[int]], dim: int) -> list[tuple[dict, torch.Tensor]]:  # noqa: ANN001
+def collate(tokens, batches: list[list[int]], dim: int) -> list[tuple[dict, torch.Tensor]]:
     generator = torch.Generator().manual_seed(SEED)
     out = []
     for b in batches:
@@ -171,7 +170,7 @@ def collate(tokens, batches: list[list[int]], dim: int) -> list[tuple[dict, torc
     return out
 
 
-def count_flops(student, collated: list, chunk: int = 64) -> float:  # noqa: ANN001
+def count_flops(student, collated: list, chunk: int = 64) -> float:
     """Forward + backward FLOPs of these batches (matmuls and attention), counted, not estimated.
 
     A step's FLOPs are those of its rows taken `chunk` at a time at the batch's padded width (every row
@@ -199,7 +198,7 @@ def count_flops(student, collated: list, chunk: int = 64) -> float:  # noqa: ANN
 
 def floor_variant(
     student_path: Path,
-    tokens,  # noqa: ANN001
+    tokens,
     dim: int,
     batch_size: int,
     precision: str = "bf16",
@@ -316,7 +315,7 @@ def run_floor(args: argparse.Namespace, results: Results) -> None:
             result = floor_variant(student_path, tokens, dim, flops_cache=flops, **kwargs)
         except torch.cuda.OutOfMemoryError as e:
             result = {"error": "CUDA out of memory", "detail": str(e).splitlines()[0]}
-        except Exception as e:  # noqa: BLE001 - one broken variant must not lose the others' figures
+        except Exception as e:
             result = {"error": f"{type(e).__name__}: {e}"[:500]}
         # out of the except clause, the failed variant's frames (model, optimizer, activations) are gone
         gc.collect()
@@ -461,7 +460,7 @@ def summarize_e2e(results: Results) -> None:
 # ----------------------------------------------------------------------------------------------- teacher
 
 
-def timed(function, *args, **kwargs) -> tuple[object, float]:  # noqa: ANN001
+def timed(function, *args, **kwargs) -> tuple[object, float]:
     """(result, seconds), the device's queued work included."""
     synchronize(str(device()))
     started = time.perf_counter()
@@ -535,14 +534,14 @@ def run_teacher(args: argparse.Namespace, results: Results) -> None:
 class _NoGather:
     """An Accelerator stand-in for map_sharded: this process's share, with gathers that copy nothing."""
 
-    def __init__(self, accelerator):  # noqa: ANN001
+    def __init__(self, accelerator):
         self.accelerator = accelerator
 
-    def split_between_processes(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+    def split_between_processes(self, *args, **kwargs):
         return self.accelerator.split_between_processes(*args, **kwargs)
 
     @staticmethod
-    def gather(tensors):  # noqa: ANN001, ANN205
+    def gather(tensors):
         return tensors
 
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality import paired_cells, paired_difference  # noqa: E402
+from quality import paired_cells, paired_difference
 
 
 def load(run: str) -> dict:

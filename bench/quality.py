@@ -96,7 +96,7 @@ def run_toolkit(config_path: str, output_dir: Path, extra: list[str]) -> tuple[d
 class TimeBudget:
     """A TrainerCallback that stops training once `seconds` of training have passed."""
 
-    def __new__(cls, seconds: float):  # noqa: ANN204 - built lazily so importing this file needs no transformers
+    def __new__(cls, seconds: float):
         from transformers import TrainerCallback
 
         class _Budget(TrainerCallback):
@@ -104,10 +104,10 @@ class TimeBudget:
                 self.started = None
                 self.stopped_early = False
 
-            def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+            def on_train_begin(self, args, state, control, **kwargs):
                 self.started = time.perf_counter()
 
-            def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+            def on_step_end(self, args, state, control, **kwargs):
                 if time.perf_counter() - self.started >= seconds:
                     control.should_training_stop = True
                     self.stopped_early = True
@@ -116,17 +116,17 @@ class TimeBudget:
         return _Budget()
 
 
-def run_peer(config, output_dir: Path, args: argparse.Namespace, budget_s: float, distance: str) -> dict:  # noqa: ANN001
+def run_peer(config, output_dir: Path, args: argparse.Namespace, budget_s: float, distance: str) -> dict:
     from accelerate import Accelerator
     from datasets import Dataset
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
     from sentence_transformers.sentence_transformer import losses
     from torch import nn
 
-    from distill.data import load_data
-    from distill.evaluation import evaluate_student
+    from distill.data import load_data, passage_texts
+    from distill.evaluation import eval_inputs, evaluate_student
     from distill.student import DistillationModel, dense_module, embedding_dim, load_student, matryoshka_dims
-    from distill.train import embed_with_teacher, eval_inputs, passage_texts
+    from distill.teacher import embed_with_teacher
 
     accelerator = Accelerator()
     # the texts the toolkit trains on: a skipped phase brings none
@@ -182,7 +182,7 @@ def run_peer(config, output_dir: Path, args: argparse.Namespace, budget_s: float
     model = DistillationModel(student.cpu(), projection)
     dims = None if config.model.use_projection else matryoshka_dims(student_dim, config.model.matryoshka_dims)
     metrics = evaluate_student(
-        accelerator, model, eval_inputs(student, data, teacher), 2 * config.training.batch_size, dims
+        accelerator, model, eval_inputs(student, data, teacher.evaluation), 2 * config.training.batch_size, dims
     )
     steps = output.global_step
     result = {

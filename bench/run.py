@@ -323,7 +323,7 @@ def ratios(runs: list[dict[str, Process]], numerator: tuple[str, str], denominat
     return [a / b for a, b in zip(tops, bottoms) if b]
 
 
-def verdict(values: list[float], ok) -> str:  # noqa: ANN001 - a predicate on the median
+def verdict(values: list[float], ok) -> str:
     return "yes" if values and ok(statistics.median(values)) else "no"
 
 

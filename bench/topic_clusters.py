@@ -44,7 +44,7 @@ def planted_pairs(folder: Path, pairs: int, dim: int, topics: int, seed: int = 0
     return arrays[0], arrays[1], truth
 
 
-def batching_at(rev: str | None):  # noqa: ANN201 - a module
+def batching_at(rev: str | None):
     if rev is None:
         sys.path.insert(0, str(REPO))
         import distill.batching

@@ -44,7 +44,7 @@ def load_eval(spec: dict) -> dict:
     return json.loads(Path(spec["eval_file"]).read_text())
 
 
-def retrieval_scores(model, evaluation: dict, max_length: int) -> dict[str, float]:  # noqa: ANN001
+def retrieval_scores(model, evaluation: dict, max_length: int) -> dict[str, float]:
     """nDCG@10 / MRR@10 of a SentenceTransformer on the evaluation set, scored as the toolkit scores."""
     from distill.evaluation import retrieval_metrics
 
@@ -141,8 +141,8 @@ def peer(spec: dict) -> dict:
     return result
 
 
-def train_steps(  # noqa: ANN201
-    student,  # noqa: ANN001
+def train_steps(
+    student,
     collated: list[tuple[dict, torch.Tensor]],
     optimizer: torch.optim.Optimizer,
     dims: list[int] | None,
@@ -256,7 +256,7 @@ def floor(spec: dict, grouped: bool) -> dict:
 
 def score(spec: dict) -> dict:
     """nDCG@10 / MRR@10 of each saved model in spec["models"] (name -> folder)."""
-    from distill.teacher import load_sentence_transformer
+    from distill.hub import load_sentence_transformer
 
     evaluation = load_eval(spec)
     return {

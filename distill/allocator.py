@@ -16,12 +16,29 @@ ask this module for the value to export, and every process `accelerate launch` s
 from __future__ import annotations
 
 import ctypes.util
+import gc
 import os
 import sys
 from pathlib import Path
 
 PRELOADABLE = {"tcmalloc": ("tcmalloc_minimal", "tcmalloc"), "jemalloc": ("jemalloc",)}
 CHOICES = ("tcmalloc", "glibc")  # DISTILL_ALLOCATOR values
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim), between stages and every few steps.
+
+    Batches of varying shapes leave freed activation blocks scattered through the heap, and the resident
+    size ratchets up with the number of distinct shapes seen; trimming returns those pages for a few page
+    faults when they are reused (serving large blocks by mmap instead cost about 30% of the speed). Under
+    tcmalloc it trims nothing.
+    """
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass  # not glibc: nothing to trim
 
 
 def allocator_named_in(libraries: str) -> str | None:

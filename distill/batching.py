@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from itertools import chain
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -23,6 +23,10 @@ from accelerate.logging import get_logger
 from torch.utils.data import DataLoader, Dataset
 
 from distill.errors import OutOfMemory, memory_message
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from transformers import PreTrainedTokenizerBase
 
 logger = get_logger(__name__)
 
@@ -46,7 +50,7 @@ class TokenizedTexts:
 
     def __init__(
         self,
-        tokenizer,  # noqa: ANN001
+        tokenizer: PreTrainedTokenizerBase,
         texts: list[str],
         max_length: int,
         chunk_size: int = TOKENIZE_CHUNK,
@@ -349,7 +353,7 @@ def make_loader(
     lengths: np.ndarray,
     global_batch_size: int,
     seed: int,
-    collate,  # noqa: ANN001
+    collate: Callable[[list[int]], dict],
     topics: np.ndarray | None = None,
 ) -> DataLoader:
     """A DataLoader of global length-grouped (and, given `topics`, topic-grouped) batches, for `accelerator.prepare`."""
@@ -358,10 +362,10 @@ def make_loader(
 
 
 def map_sharded(
-    accelerator,  # noqa: ANN001 - accelerate.Accelerator
+    accelerator: Accelerator,
     lengths: np.ndarray,
     batch_size: int,
-    encode_batch: Callable[[object], torch.Tensor],
+    encode_batch: Callable[[Any], torch.Tensor],
     chunk_size: int = 1024,
     sink: Callable[[np.ndarray, np.ndarray], None] | None = None,
     prepare: Callable[[list[int]], object] | None = None,
@@ -428,14 +432,14 @@ def _encode_all(
     queue = deque(batches)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="distill-prepare") if prepare else nullcontext() as pool:
 
-        def ahead():  # noqa: ANN202 - the next batch's preparation, started now
-            return pool.submit(prepare, queue[0]) if prepare is not None and queue else None
+        def ahead() -> Future | None:  # the next batch's preparation, started now
+            return pool.submit(prepare, queue[0]) if pool is not None and prepare is not None and queue else None
 
         pending = ahead()
         while queue:
             batch = queue.popleft()
             item = batch
-            if prepare is not None:
+            if pending is not None:
                 item = pending.result()
                 pending = ahead()
             try:

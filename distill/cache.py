@@ -37,15 +37,28 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Literal, Protocol
 
 import numpy as np
 import yaml
 
-from distill.hub import read_json
+from distill.files import read_json
 
-if TYPE_CHECKING:
-    from distill.teacher import Role, TeacherSpec
+Role = Literal["query", "document"]
+
+
+class TeacherDescription(Protocol):
+    """What an entry's manifest says of the teacher that wrote it (distill.teacher.TeacherSpec)."""
+
+    @property
+    def path(self) -> str: ...
+    @property
+    def revision(self) -> str | None: ...
+    @property
+    def max_seq_length(self) -> int | None: ...
+
+    def prompt(self, role: Role) -> str: ...
+
 
 CACHE_FORMAT = 1
 CACHE_DTYPE = np.float16
@@ -115,7 +128,7 @@ class CacheWriter:
     keeps taking part in the gathers; `commit` returns the error message, or None once the entry is in place.
     """
 
-    def __init__(self, entry: Path, key: str, count: int, role: Role, spec: TeacherSpec):
+    def __init__(self, entry: Path, key: str, count: int, role: Role, spec: TeacherDescription):
         self.entry, self.key, self.count, self.role, self.spec = entry, key, count, role, spec
         host = socket.gethostname()
         self.lock_path = lock_file(entry.parent, entry.name, host)
@@ -462,7 +475,7 @@ def prune(
 
 def default_cache_dir(config: str | None) -> str:
     """--teacher_cache_dir's value in a config file, else the training default."""
-    from distill.config import TrainingConfig  # noqa: PLC0415 - only for the default
+    from distill.config import OutputConfig  # only for the default: the cache command stays light to import
 
     if config:
         try:
@@ -471,7 +484,7 @@ def default_cache_dir(config: str | None) -> str:
             raise ValueError(f"cannot read config {config}: {e}; pass --teacher_cache_dir instead") from e
         if isinstance(values, dict) and values.get("teacher_cache_dir"):
             return str(values["teacher_cache_dir"])
-    return TrainingConfig().teacher_cache_dir
+    return OutputConfig().teacher_cache_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -502,8 +515,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # an unreadable folder
-        where = e.filename or cache_dir
-        print(f"error: cannot read {where} ({e.strerror or e}); run as a user who can read the cache", file=sys.stderr)
+        unreadable = e.filename or cache_dir
+        print(
+            f"error: cannot read {unreadable} ({e.strerror or e}); run as a user who can read the cache",
+            file=sys.stderr,
+        )
         return 2
     print("\n".join(lines))
     return 1 if any(line.startswith("could not remove") for line in lines) else 0

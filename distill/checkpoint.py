@@ -6,7 +6,7 @@ A checkpoint is `<output_dir>/checkpoints/checkpoint-<phase>-<step>/` holding
 - `phase_state.safetensors` (when the phase has any): tensors the loop carries between steps, the same on
   every rank, such as phase 2's cross-batch passage memory;
 - `state.json`: phase, epoch, batches done in the epoch, optimizer steps, the losses and results so far,
-  and the settings of the run that decide what it trains (train.run_identity), checked on resume.
+  and the settings of the run that decide what it trains (`run_identity`), checked on resume.
 Data order needs no saved state: the batch sampler is a pure function of (seed, epoch), and resuming
 mid-epoch skips the batches already done (`skip_first_batches`).
 
@@ -28,9 +28,15 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.logging import get_logger
 from safetensors.torch import load_file, save_file
 
+from distill.config import LEAVES, Config
+from distill.distributed import elastic_restart, main_decides
 from distill.errors import DistillError
+from distill.results import RunResults
+
+logger = get_logger(__name__)
 
 PHASES = ("phase1", "phase2")
 NAME = re.compile(r"^checkpoint-(phase[12])-(\d+)$")
@@ -51,7 +57,7 @@ class TrainingState:
     accelerator_step: int = 0  # Accelerate's micro-batch counter, which sets gradient-accumulation windows
     losses: list[float] = field(default_factory=list)
     evaluation_pending: bool = False  # stopped at an --eval_steps step before evaluating it: the resume does first
-    results: dict = field(default_factory=dict)  # evaluations and finished phases' figures so far
+    results: RunResults = field(default_factory=RunResults)  # evaluations and finished phases' figures so far
     identity: dict = field(default_factory=dict)
 
     def start_phase(self, phase: str) -> None:
@@ -62,13 +68,14 @@ class TrainingState:
 
     def global_step(self) -> int:
         """Optimizer steps since the run began, over the phases (finished ones are in `results`): never goes back."""
-        finished = self.results.get("phases", {})
+        finished = self.results.phases
         earlier = PHASES[: PHASES.index(self.phase)]
-        return self.optimizer_steps + sum(finished[p]["optimizer_steps"] for p in earlier if p in finished)
+        return self.optimizer_steps + sum(finished[p].optimizer_steps for p in earlier if p in finished)
 
     @classmethod
     def from_json(cls, text: str) -> TrainingState:
-        return cls(**json.loads(text))
+        values = json.loads(text)
+        return cls(**{**values, "results": RunResults.from_dict(values.get("results") or {})})
 
 
 def checkpoint_root(output_dir: str | os.PathLike) -> Path:
@@ -106,8 +113,8 @@ def find_checkpoint(output_dir: str | os.PathLike, spec: str) -> Path | None:
 def read_state(path: Path, identity: dict) -> TrainingState:
     """The checkpoint's state, after checking it was made with the same settings (`identity`).
 
-    Only the settings the checkpoint recorded are compared (checkpoints written before session 24 recorded
-    teacher, student and mode only). YAML/JSON round trips turn tuples into lists, so values are compared
+    Only the settings the checkpoint recorded are compared (older checkpoints record teacher, student and mode
+    only). YAML/JSON round trips turn tuples into lists, so values are compared
     after the same round trip.
     """
     state = TrainingState.from_json((path / STATE_FILE).read_text())
@@ -177,3 +184,72 @@ def load_checkpoint(accelerator: Accelerator, path: Path) -> dict[str, torch.Ten
             torch.cuda.set_rng_state_all([rng[k] for k in sorted(rng) if k.startswith("cuda")])
     extra_file = path / EXTRA_FILE
     return load_file(str(extra_file)) if extra_file.is_file() else {}
+
+
+# What a resumed run may change: how fast, where and how precisely it computes, not what it trains on or how.
+RESUME_MAY_CHANGE = {
+    "teacher_batch_size",
+    "mixed_precision",
+    "pad_to_multiple_of",
+    "forward_chunks",
+    "gradient_checkpointing",
+    "torch_compile",
+    "torch_compile_backend",
+    "ddp_comm_hook",
+    "skip_phase1",
+    "skip_phase2",
+}
+
+
+RESUME_SECTIONS = ("model", "data", "phase1", "phase2", "training")
+
+
+def run_identity(config: Config, world: int) -> dict:
+    """What a checkpoint must share with the run that resumes it.
+
+    Every setting of the model, data and training that decides what is trained on and how: the data order
+    is a function of (seed, epoch, global batch), a resumed epoch skips the batches already done, and the
+    schedule is laid out from the epochs and batch counts, so a change in any of them would silently train
+    on other samples or bend the schedule. The per-process batch counts as the global batch, so an
+    elastic restart on another number of processes resumes when the global batch is the same.
+    """
+    identity = {
+        leaf.flag: getattr(getattr(config, leaf.section), leaf.name)
+        for leaf in LEAVES
+        if leaf.section in RESUME_SECTIONS and leaf.flag not in RESUME_MAY_CHANGE and leaf.flag != "batch_size"
+    }
+    identity["global_batch_size"] = config.training.batch_size * world
+    return identity
+
+
+def resume_requested(config: Config) -> bool:
+    """Whether this run continues an earlier one: by the flag, or as an elastic restart of the group."""
+    return config.checkpoint.resume_from_checkpoint is not None or elastic_restart()
+
+
+def resume_point(accelerator: Accelerator, config: Config) -> Path | None:
+    """The checkpoint to continue from: the flag's, or the latest one after an elastic restart.
+
+    Found by the main process and sent to the others, so every rank resumes from the same one (`latest` could
+    change under a rank's feet, or differ between machines' views of a shared folder).
+    """
+    spec = config.checkpoint.resume_from_checkpoint
+    if spec is None and resume_requested(config):
+        spec = "latest"  # torchrun restarted the group after a failure: pick up where it stopped
+    if not spec:
+        return None
+    found = main_decides(accelerator, lambda: find_checkpoint(config.output.output_dir, spec))
+    return None if found is None else Path(found)
+
+
+def resume_state(accelerator: Accelerator, config: Config) -> tuple[TrainingState, Path | None]:
+    """The state this run starts from, and the checkpoint it continues (None for a fresh run)."""
+    resume = resume_point(accelerator, config)
+    identity = run_identity(config, accelerator.num_processes)
+    if resume is None:
+        return TrainingState(identity=identity), None
+    state = read_state(resume, identity)
+    logger.warning(
+        f"resuming from {resume} ({state.phase}, optimizer step {state.optimizer_steps})", main_process_only=True
+    )
+    return state, resume

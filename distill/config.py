@@ -14,6 +14,7 @@ import math
 import os
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import yaml
 
 from distill.errors import DistillError
+from distill.files import write_atomic
 
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
 LR_SCALINGS = ("none", "linear", "sqrt")
@@ -32,18 +34,55 @@ TEACHER_DTYPES = ("auto", "float32", "bfloat16", "float16")
 EMPTY_IS_A_VALUE = ("teacher_query_prompt", "teacher_document_prompt")
 
 
-def _opt(flag: str | None = None, help: str = "", choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
-    """A dataclass field with the metadata the flag parser and the YAML loader read."""
-    return field(metadata={"flag": flag, "help": help, "choices": choices}, **kw)
+@dataclass(frozen=True)
+class Check:
+    """A constraint on one field's value: `accepts(value)`, else "<flag>: expected <expected>, got <value>".
+
+    None passes every check: an optional field left unset.
+    """
+
+    accepts: Callable[[Any], bool]
+    expected: str
+    message: str = "{flag}: expected {expected}, got {value}"
+
+    def problem(self, flag: str, value: Any) -> str | None:
+        if value is None or self.accepts(value):
+            return None
+        return self.message.format(flag=flag, expected=self.expected, value=value)
+
+
+POSITIVE = Check(lambda v: v > 0, "a number greater than 0")
+AT_LEAST_ONE = Check(lambda v: v >= 1, "a positive integer")
+OPTIONAL_POSITIVE = Check(lambda v: v >= 1, "a positive integer or nothing")
+OFF_OR_POSITIVE = Check(lambda v: v >= 0, "0 (off) or a positive integer")
+NON_NEGATIVE = Check(lambda v: v >= 0, "a number >= 0")
+FRACTION = Check(lambda v: 0 <= v < 1, "a fraction in [0, 1)")
+# an empty name is the current folder to pathlib: a teacher '' would hash everything under it, then fail
+EMPTY = "{flag}: expected {expected}, got an empty value; pass --{flag} (or drop it for the default)"
+MODEL_NAME = Check(lambda v: bool(str(v).strip()), "a Hub name or a model folder", EMPTY)
+FOLDER = Check(lambda v: bool(str(v).strip()), "a folder", EMPTY)
+
+
+def _opt(
+    flag: str | None = None,
+    help: str = "",
+    choices: tuple[str, ...] | None = None,
+    check: Check | None = None,
+    **kw: Any,
+) -> Any:
+    """A dataclass field with the metadata the flag parser, the YAML loader and `validate` read."""
+    return field(metadata={"flag": flag, "help": help, "choices": choices, "check": check}, **kw)
 
 
 @dataclass
 class ModelConfig:
     teacher_model: str = _opt(
+        check=MODEL_NAME,
         default="infly/inf-retriever-v1-pro",
         help="Teacher: a Hub name, a local SentenceTransformer folder, or a PyPI-shipped model name.",
     )
     student_model: str = _opt(
+        check=MODEL_NAME,
         default="sentence-transformers/all-mpnet-base-v2",
         help="Student to initialise from: a Hub name, a local folder, or a PyPI-shipped model name.",
     )
@@ -58,13 +97,19 @@ class ModelConfig:
         "auto = orthogonal unless the student is wider than the teacher.",
     )
     student_num_layers: int | None = _opt(
-        default=None, help="Initialise the student by keeping N evenly spaced encoder layers (default: all)."
+        check=OPTIONAL_POSITIVE,
+        default=None,
+        help="Initialise the student by keeping N evenly spaced encoder layers (default: all).",
     )
     max_seq_length: int | None = _opt(
-        default=None, help="Token limit for student and teacher inputs (default: the student's own limit)."
+        check=OPTIONAL_POSITIVE,
+        default=None,
+        help="Token limit for student and teacher inputs (default: the student's own limit).",
     )
     teacher_max_seq_length: int | None = _opt(
-        default=None, help="Token limit for the teacher's inputs alone (default: max_seq_length, as the student)."
+        check=OPTIONAL_POSITIVE,
+        default=None,
+        help="Token limit for the teacher's inputs alone (default: max_seq_length, as the student).",
     )
     teacher_dtype: str = _opt(
         default="auto",
@@ -73,6 +118,7 @@ class ModelConfig:
         "8+), float16 on older GPUs, float32 elsewhere. Non-finite teacher vectors stop the run with an error.",
     )
     student_attention_dropout: float | None = _opt(
+        check=Check(lambda v: 0 <= v < 1, "a probability in [0, 1) or none"),
         default=0.0,
         help="Dropout on the student's attention probabilities while it trains (default 0: the fused attention "
         "kernel: faster, less memory, the demo's quality unchanged; 'none' keeps the model's own).",
@@ -92,6 +138,7 @@ class ModelConfig:
         "the teacher's prompts; '' for none (default: the teacher's own 'document', 'passage' or 'corpus' prompt).",
     )
     matryoshka_dims: list[int] | None = _opt(
+        check=Check(lambda v: bool(v) and all(d >= 1 for d in v), "positive integers like 384,192,96"),
         default=None,
         help="MRL mode: dims the loss also trains, comma- or space-separated (default: dim, dim/2, dim/4).",
     )
@@ -116,22 +163,26 @@ class DataConfig:
         default="auto",
         help="Evaluation: 'auto' (held-out phase-2 pairs, or the embedded set), 'embedded', or 'none'.",
     )
-    max_samples_phase1: int = _opt(default=100000, help="Cap on phase-1 texts.")
+    max_samples_phase1: int = _opt(default=100000, check=POSITIVE, help="Cap on phase-1 texts.")
     embedded_lee_background: bool = _opt(
         default=False,
         help="Embedded phase-1 data: add the 2,609 Lee background news sentences after the Wikipedia ones "
         "(the cap counts them too).",
     )
-    max_samples_phase2: int = _opt(default=500000, help="Cap on phase-2 pairs.")
+    max_samples_phase2: int = _opt(default=500000, check=POSITIVE, help="Cap on phase-2 pairs.")
     embedded_pairs_per_paragraph: int = _opt(
+        check=POSITIVE,
         default=1,
         help="Embedded phase-2 data: inverse-cloze pairs per paragraph, each with another sentence as the query.",
     )
-    max_eval_queries: int = _opt(default=1000, help="Held-out queries used for retrieval evaluation.")
+    max_eval_queries: int = _opt(default=1000, check=POSITIVE, help="Held-out queries used for retrieval evaluation.")
     mine_hard_negatives: int = _opt(
-        default=0, help="Phase 2: per query, add N negatives the teacher ranks highest (when the data has none)."
+        check=OFF_OR_POSITIVE,
+        default=0,
+        help="Phase 2: per query, add N negatives the teacher ranks highest (when the data has none).",
     )
     topic_cluster_size: int = _opt(
+        check=Check(lambda v: v >= 0, "0 (off) or a positive number of pairs"),
         default=0,
         help="Phase 2: batches drawn from clusters of about N pairs the teacher embeds close together "
         "(k-means on its vectors; harder in-batch negatives); 0: off.",
@@ -140,71 +191,93 @@ class DataConfig:
 
 @dataclass
 class PhaseConfig:
-    epochs: int = _opt(flag="{phase}_epochs", default=1, help="Epochs of {phase}.")
-    lr: float = _opt(flag="{phase}_lr", default=2e-5, help="Peak learning rate of {phase} (per process batch).")
+    epochs: int = _opt(flag="{phase}_epochs", check=POSITIVE, default=1, help="Epochs of {phase}.")
+    lr: float = _opt(
+        flag="{phase}_lr", check=POSITIVE, default=2e-5, help="Peak learning rate of {phase} (per process batch)."
+    )
 
 
 @dataclass
 class TrainingConfig:
-    batch_size: int = _opt(default=64, help="Batch size per process.")
+    batch_size: int = _opt(default=64, check=POSITIVE, help="Batch size per process.")
     teacher_batch_size: int | None = _opt(
+        check=OPTIONAL_POSITIVE,
         default=None,
         help="Texts per teacher forward pass per process (default: batch_size); on running out of GPU memory the "
         "teacher goes on with half as many, so a too-large value costs one failed batch, not the run.",
     )
     gradient_accumulation_steps: int = _opt(
+        check=POSITIVE,
         default=1,
         help="Batches accumulated per optimizer step (an epoch's last, shorter window averages its own batches).",
     )
     mixed_precision: str | None = _opt(
         default=None, choices=MIXED_PRECISIONS, help="no/fp16/bf16 (default: what the accelerate config says)."
     )
-    seed: int = _opt(default=42, help="Seed for data order, initialisation and dropout.")
+    seed: int = _opt(
+        default=42,
+        # numpy's and torch's seeding take no other
+        check=Check(lambda v: 0 <= v < 2**32, "an integer from 0 to 4294967295"),
+        help="Seed for data order, initialisation and dropout.",
+    )
     lr_scaling: str = _opt(
         default="none", choices=LR_SCALINGS, help="Scale the lr with the number of processes: none/linear/sqrt."
     )
-    warmup_ratio: float = _opt(default=0.1, help="Fraction of each phase's steps spent warming up the lr.")
-    weight_decay: float = _opt(default=0.01, help="AdamW weight decay.")
-    max_grad_norm: float = _opt(default=1.0, help="Gradient clipping norm (0 disables).")
+    warmup_ratio: float = _opt(
+        default=0.1, check=FRACTION, help="Fraction of each phase's steps spent warming up the lr."
+    )
+    weight_decay: float = _opt(default=0.01, check=NON_NEGATIVE, help="AdamW weight decay.")
+    max_grad_norm: float = _opt(default=1.0, check=NON_NEGATIVE, help="Gradient clipping norm (0 disables).")
     pad_to_multiple_of: int = _opt(
+        check=POSITIVE,
         default=1,
         help="Pad each training batch to a multiple of N tokens (at most max_seq_length); 8 suits tensor cores and "
         "lowers peak RSS on CPU at some speed cost (docs/BENCHMARKS.md); 1: to the batch's longest text.",
     )
     forward_chunks: int = _opt(
+        check=POSITIVE,
         default=4,
         help="Phase 2: forward a batch's queries, and its passages, in up to N chunks of similar length, each "
         "padded to its own longest text (a further chunk only where it saves 5 percent of the tokens); 1: one batch.",
     )
-    temperature: float = _opt(default=0.05, help="Phase-2 softmax temperature of the similarity distillation.")
-    cosine_weight: float = _opt(default=1.0, help="Weight of the (1 - cosine) alignment loss.")
-    mse_weight: float = _opt(default=1.0, help="Weight of the squared-distance alignment loss.")
-    kl_weight: float = _opt(default=1.0, help="Phase-2 weight of the in-batch similarity KL loss.")
+    temperature: float = _opt(
+        default=0.05, check=POSITIVE, help="Phase-2 softmax temperature of the similarity distillation."
+    )
+    cosine_weight: float = _opt(default=1.0, check=NON_NEGATIVE, help="Weight of the (1 - cosine) alignment loss.")
+    mse_weight: float = _opt(default=1.0, check=NON_NEGATIVE, help="Weight of the squared-distance alignment loss.")
+    kl_weight: float = _opt(default=1.0, check=NON_NEGATIVE, help="Phase-2 weight of the in-batch similarity KL loss.")
     kl_memory_steps: int = _opt(
+        check=NON_NEGATIVE,
         default=0,
         help="Phase 2: each query's KL softmax also ranks the passages of the last N optimizer steps (student vectors "
         "detached, no extra forward pass): N+1 times the candidates. 0: the batch's own passages only.",
     )
     ema_decay: float = _opt(
+        check=Check(lambda v: 0 <= v < 1, "a decay in [0, 1) such as 0.99 (0 turns averaging off)"),
         default=0.0,
         help="Each phase ends with an exponential moving average of its weights over its optimizer steps, started at "
         "the phase's starting weights (which keep a share of decay**steps); 0.99 averages about the last 100 steps. "
         "0: off, the last step's weights.",
     )
     phase1_kl_weight: float = _opt(
+        check=NON_NEGATIVE,
         default=0.0,
         help="Phase-1 weight of an in-batch similarity KL: each text's softmax over the batch's other texts.",
     )
     resim_weight: float = _opt(
+        check=NON_NEGATIVE,
         default=0.0,
         help="Phase-2 weight of Jasper/Stella's relative similarity loss: any two of the batch's query-passage "
         "scores keep the teacher's order by resim_margin; memory grows as the global batch**4, so at most 64. 0: off.",
     )
-    resim_margin: float = _opt(default=0.015, help="Cosine margin of the relative similarity loss.")
+    resim_margin: float = _opt(default=0.015, check=NON_NEGATIVE, help="Cosine margin of the relative similarity loss.")
     projection_lr_scale: float = _opt(
-        default=1.0, help="Projection mode: the projection's lr is the phase lr times this (its own AdamW group)."
+        check=POSITIVE,
+        default=1.0,
+        help="Projection mode: the projection's lr is the phase lr times this (its own AdamW group).",
     )
     projection_warmup_steps: int = _opt(
+        check=OFF_OR_POSITIVE,
         default=0,
         help="Projection mode: phase 1's first N optimizer steps train only the projection (backbone lr 0).",
     )
@@ -233,13 +306,14 @@ class TrainingConfig:
 
 @dataclass
 class OutputConfig:
-    output_dir: str = _opt(default="./checkpoints", help="Where results.json, config.yaml and logs go.")
+    output_dir: str = _opt(default="./checkpoints", check=FOLDER, help="Where results.json, config.yaml and logs go.")
     save_to_artifacts: bool = _opt(default=False, help="Export the trained student as a SentenceTransformer.")
-    artifacts_dir: str = _opt(default="./artifacts", help="Where the exported model folder(s) go.")
+    artifacts_dir: str = _opt(default="./artifacts", check=FOLDER, help="Where the exported model folder(s) go.")
     log_with: str = _opt(
         default="jsonl", help="Trackers, comma-separated: jsonl (<output_dir>/metrics.jsonl), tensorboard, wandb, none."
     )
     teacher_cache_dir: str = _opt(
+        check=FOLDER,
         default=str(Path(os.environ.get("DISTILL_CACHE", "~/.cache/distill")).expanduser() / "teacher"),
         help="Cache of teacher embeddings, keyed by content.",
     )
@@ -248,10 +322,16 @@ class OutputConfig:
 @dataclass
 class CheckpointConfig:
     checkpoint_steps: int = _opt(
-        default=0, help="Save a checkpoint every N optimizer steps (0: only on SIGTERM/Ctrl-C/NaN)."
+        check=OFF_OR_POSITIVE,
+        default=0,
+        help="Save a checkpoint every N optimizer steps (0: only on SIGTERM/Ctrl-C/NaN).",
     )
-    checkpoints_total_limit: int = _opt(default=2, help="Checkpoints kept in <output_dir>/checkpoints (oldest go).")
-    eval_steps: int = _opt(default=0, help="Evaluate every N optimizer steps (0: only at the end of each phase).")
+    checkpoints_total_limit: int = _opt(
+        default=2, check=AT_LEAST_ONE, help="Checkpoints kept in <output_dir>/checkpoints (oldest go)."
+    )
+    eval_steps: int = _opt(
+        default=0, check=OFF_OR_POSITIVE, help="Evaluate every N optimizer steps (0: only at the end of each phase)."
+    )
     keep_best: bool = _opt(
         default=False, help="With eval_steps: keep each phase's best model (by nDCG@10) in <output_dir>/best/<phase>."
     )
@@ -263,7 +343,9 @@ class CheckpointConfig:
 @dataclass
 class LaunchConfig:
     num_processes: int | None = _opt(
-        default=None, help="Processes to run on; when given after the module, distill relaunches itself."
+        check=AT_LEAST_ONE,
+        default=None,
+        help="Processes to run on; when given after the module, distill relaunches itself.",
     )
     accelerate_config: str | None = _opt(
         default=None,
@@ -271,6 +353,7 @@ class LaunchConfig:
         "num_processes unless --num_processes is given.",
     )
     ddp_timeout: int = _opt(
+        check=Check(lambda v: v >= 1, "a positive number of seconds"),
         default=1800,
         help="Seconds a process waits in a collective (and to join the group) before failing, so a restart can retry.",
     )
@@ -296,6 +379,7 @@ class _Leaf:
     type: Any
     help: str
     choices: tuple[str, ...] | None
+    check: Check | None = None
 
 
 def _leaves() -> list[_Leaf]:
@@ -307,7 +391,8 @@ def _leaves() -> list[_Leaf]:
         for f in dataclasses.fields(section_type):
             flag = (f.metadata.get("flag") or f.name).format(phase=section.name)
             helptext = f.metadata.get("help", "").format(phase=section.name.replace("phase", "phase "))
-            leaves.append(_Leaf(flag, section.name, f.name, hints[f.name], helptext, f.metadata.get("choices")))
+            choices, check = f.metadata.get("choices"), f.metadata.get("check")
+            leaves.append(_Leaf(flag, section.name, f.name, hints[f.name], helptext, choices, check))
     return leaves
 
 
@@ -355,31 +440,35 @@ def _convert(leaf: _Leaf, value: Any) -> Any:
         kind = "a list" if isinstance(value, list) else "a mapping"
         raise DistillError(f"{leaf.flag}: expected a single value, got {kind}: {value!r}")
     try:
-        if tp is bool:
-            if isinstance(value, bool):
-                return value
-            if str(value).lower() in ("true", "1", "yes"):
-                return True
-            if str(value).lower() in ("false", "0", "no"):
-                return False
-            raise ValueError
-        if typing.get_origin(tp) is list:
-            items = value if isinstance(value, list) else [v for v in str(value).split(",") if v.strip()]
-            return [_integer(v) for v in items]
-        if tp is int:
-            return _integer(value)
-        if tp is float:
-            if isinstance(value, bool):
-                raise ValueError
-            number = float(value)
-        else:
-            return str(value)
+        number = _typed(tp, value)
     except (TypeError, ValueError):
         kind = tp.__name__ if tp in (int, float, str) else _kind(tp)  # `list[int].__name__` is just "list"
         raise DistillError(f"{leaf.flag}: expected {kind}, got {value!r}") from None
-    if not math.isfinite(number):  # nan passes every `< 0` check below and poisons the loss
+    if isinstance(number, float) and not math.isfinite(number):  # nan passes every `< 0` check and poisons the loss
         raise DistillError(f"{leaf.flag}: expected a finite number, got {value!r}")
     return number
+
+
+def _typed(tp: Any, value: Any) -> Any:
+    """`value` as a `tp` (bool, int, float, str or list of int); ValueError or TypeError if it is not one."""
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("true", "1", "yes"):
+            return True
+        if str(value).lower() in ("false", "0", "no"):
+            return False
+        raise ValueError
+    if typing.get_origin(tp) is list:
+        items = value if isinstance(value, list) else [v for v in str(value).split(",") if v.strip()]
+        return [_integer(v) for v in items]
+    if tp is int:
+        return _integer(value)
+    if tp is float:
+        if isinstance(value, bool):
+            raise ValueError
+        return float(value)
+    return str(value)
 
 
 def _closest(name: str) -> str:
@@ -526,150 +615,62 @@ def _nested_section(section: str, values: dict) -> str:
 
 
 def validate(config: Config) -> list[str]:
-    """Every problem with an otherwise well-typed config, as fix-it messages."""
+    """Every problem with an otherwise well-typed config, as fix-it messages: each field's own constraints (its
+    choices and its `Check`), then the settings that contradict each other."""
     problems = []
     for leaf in LEAVES:
         value = getattr(getattr(config, leaf.section), leaf.name)
         if leaf.choices and value is not None and value not in leaf.choices:
             problems.append(f"{leaf.flag}: expected one of {'/'.join(leaf.choices)}, got {value!r}")
-    # an empty name is the current folder to pathlib: a teacher '' would hash everything under it, then fail
-    named = {
-        "teacher_model": "a Hub name or a model folder",
-        "student_model": "a Hub name or a model folder",
-        "output_dir": "a folder",
-        "artifacts_dir": "a folder",
-        "teacher_cache_dir": "a folder",
-    }
-    for flag, expected in named.items():
-        leaf = FLAGS[flag]
-        if not str(getattr(getattr(config, leaf.section), leaf.name)).strip():
-            problems.append(
-                f"{flag}: expected {expected}, got an empty value; pass --{flag} (or drop it for the default)"
-            )
-    positive = {
-        "batch_size": config.training.batch_size,
-        "gradient_accumulation_steps": config.training.gradient_accumulation_steps,
-        "phase1_lr": config.phase1.lr,
-        "phase2_lr": config.phase2.lr,
-        "phase1_epochs": config.phase1.epochs,
-        "phase2_epochs": config.phase2.epochs,
-        "max_samples_phase1": config.data.max_samples_phase1,
-        "max_samples_phase2": config.data.max_samples_phase2,
-        "temperature": config.training.temperature,
-        "max_eval_queries": config.data.max_eval_queries,
-        "embedded_pairs_per_paragraph": config.data.embedded_pairs_per_paragraph,
-        "pad_to_multiple_of": config.training.pad_to_multiple_of,
-        "forward_chunks": config.training.forward_chunks,
-    }
-    for name, value in positive.items():
-        if not value > 0:
-            problems.append(f"{name}: expected a number greater than 0, got {value}")
-    optional = {
-        "student_num_layers": config.model.student_num_layers,
-        "max_seq_length": config.model.max_seq_length,
-        "teacher_max_seq_length": config.model.teacher_max_seq_length,
-        "teacher_batch_size": config.training.teacher_batch_size,
-    }
-    for name, value in optional.items():
-        if value is not None and value < 1:
-            problems.append(f"{name}: expected a positive integer or nothing, got {value}")
-    dropout = config.model.student_attention_dropout
-    if dropout is not None and not 0 <= dropout < 1:
-        problems.append(f"student_attention_dropout: expected a probability in [0, 1) or none, got {dropout}")
-    if config.checkpoint.checkpoint_steps < 0:
-        problems.append(
-            f"checkpoint_steps: expected 0 (off) or a positive integer, got {config.checkpoint.checkpoint_steps}"
-        )
-    if config.data.mine_hard_negatives < 0:
-        problems.append(
-            f"mine_hard_negatives: expected 0 (off) or a positive integer, got {config.data.mine_hard_negatives}"
-        )
-    if config.data.topic_cluster_size < 0:
-        problems.append(
-            f"topic_cluster_size: expected 0 (off) or a positive number of pairs, got {config.data.topic_cluster_size}"
-        )
-    if config.data.embedded_pairs_per_paragraph > 1 and config.data.phase2_data != "embedded":
-        problems.append(
-            "embedded_pairs_per_paragraph: only the embedded phase-2 data is built from paragraphs; "
-            "drop the flag or pass --phase2_data embedded"
-        )
-    if config.data.embedded_lee_background and config.data.phase1_data != "embedded":
-        problems.append(
-            "embedded_lee_background: the Lee background sentences are added to the embedded phase-1 data only; "
-            "drop the flag or pass --phase1_data embedded"
-        )
-    if config.training.projection_warmup_steps < 0:
-        steps = config.training.projection_warmup_steps
-        problems.append(f"projection_warmup_steps: expected 0 (off) or a positive integer, got {steps}")
-    if config.training.projection_warmup_steps and not config.model.use_projection:
-        problems.append(
-            "projection_warmup_steps: there is no projection to warm up in Matryoshka mode; "
-            "pass --use_projection True or drop --projection_warmup_steps"
-        )
-    if config.checkpoint.eval_steps < 0:
-        problems.append(f"eval_steps: expected 0 (off) or a positive integer, got {config.checkpoint.eval_steps}")
-    # without periodic evaluations each phase has one candidate, the model exported anyway: nothing to keep
-    if config.checkpoint.keep_best and config.data.eval_data == "none":
-        why, fix = "eval_data is none", "--eval_steps N and an --eval_data"
-    elif config.checkpoint.keep_best and config.checkpoint.eval_steps == 0:
-        why, fix = "eval_steps is 0 (only phase ends)", "--eval_steps N"
-    else:
-        why = fix = None
-    if why:
-        problems.append(
-            f"keep_best: keeps the best of the evaluations every --eval_steps steps, but {why}; pass {fix} "
-            "or drop --keep_best"
-        )
-    if config.checkpoint.checkpoints_total_limit < 1:
-        limit = config.checkpoint.checkpoints_total_limit
-        problems.append(f"checkpoints_total_limit: expected a positive integer, got {limit}")
-    if not 0 <= config.training.seed < 2**32:  # numpy's and torch's seeding take no other
-        problems.append(f"seed: expected an integer from 0 to 4294967295, got {config.training.seed}")
-    if config.launch.ddp_timeout < 1:
-        problems.append(f"ddp_timeout: expected a positive number of seconds, got {config.launch.ddp_timeout}")
-    if config.launch.num_processes is not None and config.launch.num_processes < 1:
-        problems.append(f"num_processes: expected a positive integer, got {config.launch.num_processes}")
+        problem = leaf.check.problem(leaf.flag, value) if leaf.check else None
+        if problem:
+            problems.append(problem)
+    return problems + [message for applies, message in _contradictions(config) if applies]
+
+
+def _contradictions(config: Config) -> list[tuple[bool, str]]:
+    """(whether it applies, its message) for each pair of settings that cannot go together."""
+    data, training, checkpoint = config.data, config.training, config.checkpoint
     accelerate_config = config.launch.accelerate_config
-    if accelerate_config is not None and not Path(accelerate_config).expanduser().is_file():
-        problems.append(
+    # without periodic evaluations each phase has one candidate, the model exported anyway: nothing to keep
+    keep_best_why = "eval_data is none" if data.eval_data == "none" else "eval_steps is 0 (only phase ends)"
+    keep_best_fix = "--eval_steps N and an --eval_data" if data.eval_data == "none" else "--eval_steps N"
+    return [
+        (
+            data.embedded_pairs_per_paragraph > 1 and data.phase2_data != "embedded",
+            "embedded_pairs_per_paragraph: only the embedded phase-2 data is built from paragraphs; "
+            "drop the flag or pass --phase2_data embedded",
+        ),
+        (
+            data.embedded_lee_background and data.phase1_data != "embedded",
+            "embedded_lee_background: the Lee background sentences are added to the embedded phase-1 data only; "
+            "drop the flag or pass --phase1_data embedded",
+        ),
+        (
+            training.projection_warmup_steps > 0 and not config.model.use_projection,
+            "projection_warmup_steps: there is no projection to warm up in Matryoshka mode; "
+            "pass --use_projection True or drop --projection_warmup_steps",
+        ),
+        (
+            checkpoint.keep_best and (data.eval_data == "none" or checkpoint.eval_steps == 0),
+            f"keep_best: keeps the best of the evaluations every --eval_steps steps, but {keep_best_why}; pass "
+            f"{keep_best_fix} or drop --keep_best",
+        ),
+        (
+            accelerate_config is not None and not Path(accelerate_config).expanduser().is_file(),
             f"accelerate_config: {accelerate_config!r} does not exist; pass one of accelerate_configs/*.yaml "
-            "or a file written by `accelerate config`"
-        )
-    if not 0 <= config.training.warmup_ratio < 1:
-        problems.append(f"warmup_ratio: expected a fraction in [0, 1), got {config.training.warmup_ratio}")
-    if not 0 <= config.training.ema_decay < 1:
-        problems.append(
-            "ema_decay: expected a decay in [0, 1) such as 0.99 (0 turns averaging off), "
-            f"got {config.training.ema_decay}"
-        )
-    if not config.training.projection_lr_scale > 0:
-        problems.append(
-            f"projection_lr_scale: expected a number greater than 0, got {config.training.projection_lr_scale}"
-        )
-    for name in (
-        "weight_decay",
-        "max_grad_norm",
-        "cosine_weight",
-        "mse_weight",
-        "kl_weight",
-        "phase1_kl_weight",
-        "resim_weight",
-        "resim_margin",
-        "kl_memory_steps",
-    ):
-        if getattr(config.training, name) < 0:
-            problems.append(f"{name}: expected a number >= 0, got {getattr(config.training, name)}")
-    dims = config.model.matryoshka_dims
-    if dims is not None and (not dims or any(d < 1 for d in dims)):
-        problems.append(f"matryoshka_dims: expected positive integers like 384,192,96, got {dims}")
-    if dims is not None and config.model.use_projection:
-        problems.append(
+            "or a file written by `accelerate config`",
+        ),
+        (
+            config.model.matryoshka_dims is not None and config.model.use_projection,
             "matryoshka_dims: projection mode trains no Matryoshka dimensions; "
-            "pass --use_projection False or drop --matryoshka_dims"
-        )
-    if config.training.skip_phase1 and config.training.skip_phase2:
-        problems.append("skip_phase1 and skip_phase2 are both set: nothing would be trained; drop one of them")
-    return problems
+            "pass --use_projection False or drop --matryoshka_dims",
+        ),
+        (
+            training.skip_phase1 and training.skip_phase2,
+            "skip_phase1 and skip_phase2 are both set: nothing would be trained; drop one of them",
+        ),
+    ]
 
 
 def to_flat_dict(config: Config) -> dict[str, Any]:
@@ -683,7 +684,5 @@ def dump_config(config: Config, path: str | os.PathLike) -> None:
     It goes to a hidden temporary file renamed over `path`: a full disk or a kill mid-write leaves the
     previous config.yaml (a resumed run's) whole, never a truncated file that `--config` would misread.
     """
-    from distill.report import write_atomic  # noqa: PLC0415 - the results' writer; config stays light to import
-
     text = yaml.safe_dump(to_flat_dict(config), sort_keys=False)
     write_atomic(Path(path), lambda staging: staging.write_text(text))

@@ -15,13 +15,17 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain, islice
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from accelerate.logging import get_logger
 
 from distill import embedded
 from distill.config import DataConfig
 from distill.errors import DistillError
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 logger = get_logger(__name__)
 
@@ -97,6 +101,7 @@ def load_data(config: DataConfig, seed: int, need_phase1: bool = True, need_phas
 
 
 def load_phase1_texts(source: str, max_samples: int, lee_background: bool = False) -> list[str]:
+    raw: Iterable[Any]
     if source == EMBEDDED:
         texts = embedded.wikipedia_sentences(embedded.train_articles())
         if lee_background:
@@ -108,11 +113,12 @@ def load_phase1_texts(source: str, max_samples: int, lee_background: bool = Fals
                     f"trained on; raise --max_samples_phase1 above {wikipedia} or drop --embedded_lee_background"
                 )
             texts = texts + embedded.lee_background()
+        raw = texts
     else:
         head, rest = _head_and_rest(source)
         column = pick_column(head, TEXT_COLUMNS, source, "phase-1 text", allow_single=True)
-        texts = (r.get(column) for r in chain(head, rest))
-    texts = clean_texts(texts, f"phase-1 data {source!r}", limit=max_samples)
+        raw = (r.get(column) for r in chain(head, rest))
+    texts = clean_texts(raw, f"phase-1 data {source!r}", limit=max_samples)
     if not texts:
         raise DistillError(
             f"phase-1 data {source!r} has no usable text after dropping empty and non-string rows; "
@@ -167,7 +173,7 @@ def negative_reader(
                 main_process_only=True,
             )
         return (lambda r: r.get(column) if isinstance(r.get(column), list) else []), count
-    texts = sorted(named, key=lambda c: int(NEGATIVE_COLUMN.match(c).group(4) or 0))
+    texts = sorted(named, key=lambda c: int(NEGATIVE_COLUMN.match(c).group(4) or 0))  # type: ignore[union-attr]
     return (lambda r: [r.get(c) for c in texts]), len(texts)
 
 
@@ -183,7 +189,9 @@ def _clean_pairs(
     Every pair keeps `count` negatives: longer lists are cut, pairs with fewer are dropped. Stops once
     `limit` pairs are kept.
     """
-    kept, seen, bad, duplicates, short = [], set(), 0, 0, 0
+    kept: list[list[str]] = []  # [query, passage, *negatives]
+    seen: set[tuple[str, str]] = set()
+    bad = duplicates = short = 0
     for query, passage, negatives in rows:
         if limit is not None and len(kept) >= limit:
             break
@@ -228,7 +236,9 @@ def clean_texts(texts: Iterable[Any], what: str, limit: int | None = None) -> li
 
 def _normalized_unique(texts: Iterable[Any], limit: int | None = None) -> tuple[list[str], int, int]:
     """Non-empty strings with whitespace collapsed, first occurrence of each; the counts of empty rows and repeats."""
-    kept, seen, bad, duplicates = [], set(), 0, 0
+    kept: list[str] = []
+    seen: set[str] = set()
+    bad = duplicates = 0
     for text in texts:
         if limit is not None and len(kept) >= limit:
             break
@@ -297,11 +307,11 @@ def iter_records(source: str) -> Iterator[dict[str, Any]]:
             "or dataset folder, a Hub dataset name, or 'embedded'"
         )
     else:
-        dataset = _load_dataset(str(path), source, **subset)
+        dataset = _load_dataset(str(path), source, False, **subset)
     return (row for start in range(0, len(dataset), CHUNK_ROWS) for row in _chunk(dataset, start))
 
 
-def _chunk(dataset, start: int) -> list[dict[str, Any]]:  # noqa: ANN001 - datasets.Dataset
+def _chunk(dataset: Dataset, start: int) -> list[dict[str, Any]]:
     return dataset.select(range(start, min(start + CHUNK_ROWS, len(dataset)))).to_list()
 
 
@@ -323,7 +333,7 @@ def _text_lines(path: Path, source: str) -> Iterator[str]:
             yield from line.splitlines()
 
 
-def _load_dataset(path: str, source: str, from_disk: bool = False, **kwargs: Any):  # noqa: ANN202 - datasets.Dataset
+def _load_dataset(path: str, source: str, from_disk: bool = False, **kwargs: Any) -> Dataset:
     import datasets
     from datasets.exceptions import DatasetGenerationError
 
@@ -396,7 +406,8 @@ def hold_out(pairs: Pairs, count: int, seed: int) -> tuple[Pairs, EvalSet]:
     order = list(range(len(pairs)))
     random.Random(seed).shuffle(order)
     # one pair per query: a query held out with two passages would count either answer as a miss for the other
-    held, held_queries = [], set()
+    held: list[int] = []
+    held_queries: set[str] = set()
     for i in order:
         if len(held) == count:
             break
@@ -444,3 +455,13 @@ def optional_lee_sts() -> tuple[list[str], list[tuple[int, int]], list[float]]:
         return embedded.lee_sts()
     except DistillError:
         return [], [], []
+
+
+def passage_texts(pairs: Pairs) -> tuple[list[str], np.ndarray]:
+    """Positives then all negatives, and for each query the rows of its positive and its negatives."""
+    count, per_query = len(pairs), len(pairs.negatives[0]) if pairs.negatives else 0
+    texts = pairs.passages + [n for negatives in pairs.negatives for n in negatives]
+    rows = np.arange(count)[:, None]
+    if per_query:
+        rows = np.concatenate([rows, count + np.arange(count * per_query).reshape(count, per_query)], axis=1)
+    return texts, rows

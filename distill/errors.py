@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 
 class DistillError(ValueError):
     """A problem with the user's input (config, data, model, cache), reported as one clear line.
@@ -15,14 +13,18 @@ class DistillError(ValueError):
     every_rank = False  # True: a problem of the process that met it, which it reports itself
 
 
+class TrainingStopped(DistillError):
+    """Training stopped on purpose (preemption, non-finite loss) after writing a checkpoint."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 class OutOfMemory(DistillError):
     """This process's device ran out of memory: reported by every rank that meets it, with its rank."""
 
     every_rank = True
-
-    def __init__(self, message: str):
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        super().__init__(f"[rank {os.environ.get('RANK', '0')}] {message}" if world > 1 else message)
 
 
 def first_sentences(text: str, count: int, limit: int) -> str:

@@ -13,16 +13,25 @@ against those evaluators run on an exported model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from accelerate import Accelerator
 from scipy.stats import spearmanr
 from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
-from distill.batching import TokenizedTexts, map_sharded
-from distill.data import EvalSet
+from distill.batching import TokenizedTexts
+from distill.checkpoint import TrainingState
+from distill.config import Config, to_flat_dict
+from distill.data import DistillData, EvalSet
+from distill.export import export_models
 from distill.losses import truncate
-from distill.student import DistillationModel
+from distill.student import DistillationModel, encode_student
+
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
 
 TOP_K = 10
 
@@ -145,29 +154,8 @@ def score(vectors: EvalVectors, eval_set: EvalSet, teacher: EvalVectors | None =
     return metrics
 
 
-def encode_student(
-    accelerator,
-    model: DistillationModel,
-    texts: TokenizedTexts,
-    batch_size: int,  # noqa: ANN001
-) -> tuple[np.ndarray, np.ndarray]:
-    """(student-space, target-space) vectors of `texts`, computed sharded across processes."""
-    model.eval()
-    device = accelerator.device
-
-    def encode(indices: list[int]) -> torch.Tensor:
-        features = {k: v.to(device) for k, v in texts.features(indices).items()}
-        with torch.no_grad(), accelerator.autocast():
-            student, target = model(features)[0]
-        return torch.cat([student.float(), target.float()], dim=1)
-
-    hint = f"lower --max_seq_length (the student reads up to {texts.max_length} tokens)"
-    both = map_sharded(accelerator, texts.lengths, batch_size, encode, too_long_hint=hint)
-    return both[:, : model.student_dim], both[:, model.student_dim :]
-
-
 def evaluate_student(
-    accelerator,  # noqa: ANN001
+    accelerator: Accelerator,
     model: DistillationModel,
     inputs: EvalInputs,
     batch_size: int,
@@ -227,3 +215,77 @@ def truncated(vectors: EvalVectors, dim: int) -> EvalVectors:
 
 def evaluate_teacher(inputs: EvalInputs) -> dict[str, object]:
     return score(inputs.teacher, inputs.eval_set)
+
+
+def eval_inputs(
+    student: SentenceTransformer,
+    data: DistillData,
+    teacher: EvalVectors | None,
+    basis: np.ndarray | None = None,
+) -> EvalInputs | None:
+    """The evaluation set tokenized for the student, with the teacher's vectors of it; None without one."""
+    if data.evaluation is None or teacher is None:
+        return None
+    e, tok, length = data.evaluation, student.tokenizer, student.max_seq_length
+    return EvalInputs(
+        e,
+        TokenizedTexts(tok, e.queries, length),
+        TokenizedTexts(tok, e.corpus, length),
+        TokenizedTexts(tok, e.sts_texts, length) if e.sts_texts else None,
+        teacher,
+        basis,
+    )
+
+
+class PhaseEvaluation:
+    """A phase's evaluations, on every process: every --eval_steps optimizer steps (`periodic`, logged) and at its
+    end (`final`); with --keep_best, the best of them is exported to <output_dir>/best/<phase>.
+
+    The end-of-phase model is the one the last periodic evaluation scored when the phase ends on an evaluation
+    step (the weight average, when there is one, is what both score), so that evaluation is not made twice.
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        config: Config,
+        evaluation: EvalInputs,
+        dims: list[int] | None,
+        phase: str,
+        state: TrainingState,
+        output_dir: Path,
+    ) -> None:
+        self.accelerator, self.config, self.evaluation, self.dims = accelerator, config, evaluation, dims
+        self.phase, self.state, self.output_dir = phase, state, output_dir
+        self.history = state.results.evaluations.setdefault(phase, [])
+        self.best = max((h["ndcg@10"] for h in self.history), default=float("-inf"))
+        self.last: tuple[int, dict] | None = None  # (optimizer step, metrics) of the last periodic evaluation
+        self.keep_best = config.checkpoint.keep_best and config.checkpoint.eval_steps > 0
+
+    def periodic(self, model: DistillationModel, step: int) -> None:
+        metrics = self._evaluate(model)
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, float)}
+        self.history.append({"step": step, **scalars})
+        self.accelerator.log({f"{self.phase}/eval/{k}": v for k, v in scalars.items()}, step=self.state.global_step())
+        self.last = (step, metrics)
+        self._keep_if_best(model, metrics, f"best of {self.phase} at optimizer step {step}: {scalars}")
+
+    def final(self, model: DistillationModel, step: int) -> dict:
+        """The metrics of the model the phase ends with, at its last optimizer step `step`."""
+        if self.last is not None and self.last[0] == step:
+            return self.last[1]  # scored (and compared) by the periodic evaluation of that step
+        metrics = self._evaluate(model)
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, float)}
+        self._keep_if_best(model, metrics, f"best of {self.phase}: its end, optimizer step {step}: {scalars}")
+        return metrics
+
+    def _evaluate(self, model: DistillationModel) -> dict:
+        batch_size = 2 * self.config.training.batch_size
+        return evaluate_student(self.accelerator, model, self.evaluation, batch_size, self.dims)
+
+    def _keep_if_best(self, model: DistillationModel, metrics: dict, description: str) -> None:
+        if self.keep_best and metrics["ndcg@10"] > self.best:
+            self.best = metrics["ndcg@10"]
+            export_models(
+                self.accelerator, model, self.output_dir / "best" / self.phase, to_flat_dict(self.config), description
+            )

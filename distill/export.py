@@ -15,16 +15,22 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from accelerate import Accelerator
 
+from distill.distributed import on_main_process
 from distill.errors import DistillError
 from distill.student import DistillationModel, matryoshka_dims, normalize_module
 
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
 
-def deployable_model(model: DistillationModel):  # noqa: ANN201 - SentenceTransformer
+
+def deployable_model(model: DistillationModel) -> SentenceTransformer:
     """The SentenceTransformer users get: the student, then projection + Normalize in projection mode.
 
     In Matryoshka mode a student that does not end with a Normalize gets one: the losses compare re-normalised
@@ -62,14 +68,16 @@ def export_models(
             "(the folder `model` beside it has it): it scores as the `ndcg@10_student_dim` row."
         )
         targets["student"] = (root / "student", model.student, model_card(settings, table, student_dims, note))
-    if accelerator.is_main_process:
-        for path, sentence_transformer, card in targets.values():
-            save_atomic(sentence_transformer, path, card)
-    accelerator.wait_for_everyone()
+
+    def write() -> None:
+        for path, sentence_transformer, folder_card in targets.values():
+            save_atomic(sentence_transformer, path, folder_card)
+
+    on_main_process(accelerator, write)
     return {name: str(path) for name, (path, _, _) in targets.items()}
 
 
-def save_atomic(sentence_transformer, target: Path, card: str) -> None:  # noqa: ANN001
+def save_atomic(sentence_transformer: SentenceTransformer, target: Path, card: str) -> None:
     """sentence-transformers' save into `<target>.tmp`, card added, then swapped in for any previous export.
 
     The folder is saved without prompts: the student was distilled on unprompted texts, so the prompts it
@@ -100,7 +108,7 @@ def save_atomic(sentence_transformer, target: Path, card: str) -> None:  # noqa:
 
 
 @contextmanager
-def no_prompts(sentence_transformer):  # noqa: ANN001, ANN201
+def no_prompts(sentence_transformer: SentenceTransformer) -> Iterator[None]:
     """Blank the model's prompts and default prompt while it is saved; put them back afterwards."""
     prompts, default = sentence_transformer.prompts, sentence_transformer.default_prompt_name
     sentence_transformer.prompts = dict.fromkeys(prompts, "")

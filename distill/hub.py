@@ -20,8 +20,14 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from distill.errors import DistillError
+from distill.files import read_json
+
+if TYPE_CHECKING:
+    import torch
+    from sentence_transformers import SentenceTransformer
 
 
 @dataclass(frozen=True)
@@ -191,7 +197,7 @@ def hub_snapshot(name: str, revision: str | None) -> str:
         return snapshot_download(
             name, revision=revision, allow_patterns=["*.json"]
         )  # only the commit matters here; the weights come when the teacher is loaded
-    except Exception as e:  # noqa: BLE001 - any failure here means: not reachable, say so
+    except Exception as e:  # any failure here means: not reachable, say so
         raise DistillError(
             f"model {name!r} cannot be found locally or on the Hub ({type(e).__name__}); {shipped_models_hint()}"
         ) from None
@@ -231,5 +237,39 @@ def pooling_modes(pooling_config: dict) -> int:
     return len(modes) if isinstance(modes, (list, tuple)) else 1
 
 
-def read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
+def load_sentence_transformer(
+    path: str,
+    device: torch.device | str,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    dtype: torch.dtype | None = None,
+    config_kwargs: dict | None = None,
+) -> SentenceTransformer:
+    """SentenceTransformer(path) with its weights in `dtype`, errors turned into one line that says how to fix them.
+
+    The dtype is always passed: transformers 5 loads a checkpoint in the dtype it was saved in by default
+    (`dtype="auto"`), so a student saved in bfloat16 (Qwen3-Embedding, say) would train in pure bfloat16 and
+    a float16 teacher would run in float16 on a CPU. `config_kwargs` override fields of the backbone's
+    transformers config before it is built. `dtype` None: float32.
+    """
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    kwargs: dict[str, dict] = {"model_kwargs": {"dtype": dtype or torch.float32}}
+    if config_kwargs:
+        kwargs["config_kwargs"] = config_kwargs
+    try:
+        return SentenceTransformer(
+            path, device=str(device), revision=revision, trust_remote_code=trust_remote_code, **kwargs
+        )
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise DistillError(
+                f"model {path!r} ships its own code, which runs only if you allow it: pass --trust_remote_code "
+                "if you trust its authors"
+            ) from None
+        raise
+    except OSError as e:
+        raise DistillError(
+            f"model {path!r} could not be loaded ({str(e).splitlines()[0][:160]}); {shipped_models_hint()}"
+        ) from None

@@ -1,18 +1,22 @@
-"""Results: `<output_dir>/results.json`, `report.png` and `report.md` (each written whole or not at all)."""
+"""The run's outputs: its output folder, `results.json`, `report.png` and `report.md`, each whole or not at all."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 from accelerate import Accelerator
 
+from distill.checkpoint import checkpoint_root, list_checkpoints
+from distill.config import Config, dump_config
+from distill.distributed import main_decides, on_main_process
 from distill.errors import DistillError
+from distill.files import write_atomic, write_json_atomic
+from distill.results import ROWS, RunResults
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +24,6 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-ROWS = ("teacher", "student_before", "after_phase1", "student_after")
 METRICS = ("ndcg@10", "mrr@10", "sts_spearman", "teacher_cosine", "ndcg@10_student_dim", "ndcg@10_asymmetric")
 
 
@@ -52,31 +55,71 @@ def evaluations_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """`write(staging)` fills a hidden temporary file that is then renamed to `path`: all of it or nothing."""
-    staging = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    try:
-        write(staging)
-        os.replace(staging, path)
-    except OSError as e:
-        staging.unlink(missing_ok=True)
-        raise DistillError(f"cannot write {path} ({e.strerror or e}); make the output_dir writable") from None
-    except BaseException:
-        staging.unlink(missing_ok=True)
-        raise
+def write_results(accelerator: Accelerator, output_dir: Path, results: RunResults) -> Path:
+    """The leaf writer of a run's figures: results.json, then report.png and report.md, by the main process.
 
+    An unwritable report is a warning, not a failed run: the model and results.json are written by then.
+    """
+    path = output_dir / "results.json"
 
-def write_json_atomic(path: Path, payload: dict) -> None:
-    write_atomic(path, lambda staging: staging.write_text(json.dumps(payload, indent=2, default=str)))
+    def write() -> None:
+        write_json_atomic(path, results.to_dict())
+        try:
+            write_report(output_dir, results.to_dict())
+        except Exception as e:  # matplotlib or the disk: results.json holds every figure
+            logger.warning(f"report not written ({type(e).__name__}: {e}); results.json holds every figure")
 
-
-def write_results(accelerator: Accelerator, output_dir: str | os.PathLike, results: dict) -> Path:
-    """Main process writes results.json; every process waits for it."""
-    path = Path(output_dir) / "results.json"
-    if accelerator.is_main_process:
-        write_json_atomic(path, results)
-    accelerator.wait_for_everyone()
+    on_main_process(accelerator, write)
     return path
+
+
+def check_output_dir(accelerator: Accelerator, path: str, fresh: bool = False) -> Path:
+    """Fail early if output_dir cannot be written, leaving nothing behind (folders made for the probe are removed).
+
+    A `fresh` run (not resuming) also fails if output_dir holds an earlier run's checkpoints: its own would be
+    ordered among them, pruned in their favour, and `latest` would pick the earlier run's.
+    The main process probes and tells every process the verdict, so all of them stop, none waits alone.
+    """
+    output_dir = Path(path).expanduser()
+    main_decides(accelerator, lambda: probe_output_dir(output_dir, fresh))
+    return output_dir
+
+
+def probe_output_dir(output_dir: Path, fresh: bool) -> None:
+    """Raise a DistillError if `output_dir` holds an earlier run (when `fresh`) or cannot be written."""
+    earlier = list_checkpoints(checkpoint_root(output_dir)) if fresh else []
+    if earlier:
+        raise DistillError(
+            f"output_dir {str(output_dir)!r} holds checkpoints of an earlier run ({earlier[-1].name}, ...); pass "
+            "--resume_from_checkpoint latest to continue it, or a fresh --output_dir (or delete "
+            f"{checkpoint_root(output_dir)})"
+        )
+    missing = [p for p in [output_dir, *output_dir.parents] if not p.exists()]
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        probe = output_dir / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise DistillError(
+            f"output_dir {str(output_dir)!r} is not writable ({e.strerror or e}); pass a writable --output_dir"
+        ) from None
+    finally:
+        for folder in missing:  # deepest first
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+
+
+def prepare_output_dir(accelerator: Accelerator, config: Config) -> Path:
+    """Create output_dir with the resolved config.yaml, once the inputs have been validated."""
+    output_dir = Path(config.output.output_dir).expanduser()
+
+    def write() -> None:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(config, output_dir / "config.yaml")
+
+    on_main_process(accelerator, write)
+    return output_dir
 
 
 BAR_METRICS = ("ndcg@10", "mrr@10", "sts_spearman")
@@ -105,13 +148,15 @@ def write_report(output_dir: str | os.PathLike, results: dict) -> tuple[Path | N
     """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    png, md = output_dir / "report.png", output_dir / "report.md"
+    png: Path | None = output_dir / "report.png"
+    md = output_dir / "report.md"
     try:
         figure = report_figure(results)
     except Exception as e:  # the numbers matter more than the picture
         logger.warning(f"report.png not drawn ({type(e).__name__}: {e}); report.md has every figure")
         png = None
     else:  # the staging name has no .png suffix, so the format is given explicitly
+        assert png is not None
         write_atomic(png, lambda staging: figure.savefig(staging, format="png", dpi=110))
     write_atomic(md, lambda staging: staging.write_text(report_markdown(results, png.name if png else None)))
     return png, md
@@ -276,15 +321,15 @@ def _plot_metrics(axes: Axes, results: dict) -> None:
 def _plot_matryoshka(axes: Axes, results: dict) -> None:
     axes.set_title("(c) Matryoshka: nDCG@10 per dimension")
     curves = [
-        (row, (results.get(row) or {}).get("matryoshka_ndcg@10"))
+        (row, curve)
         for row in ("student_before", "student_after")
-        if (results.get(row) or {}).get("matryoshka_ndcg@10")
+        if (curve := (results.get(row) or {}).get("matryoshka_ndcg@10"))
     ]
     if not curves:
         reason = " (projection mode)" if results.get("mode") == "projection" else " in this run"
         _no_data(axes, f"no Matryoshka evaluation{reason}")
         return
-    dims = set()
+    dims: set[int] = set()
     for row, curve in curves:
         points = sorted((int(dim), value) for dim, value in curve.items())  # JSON keys are strings
         dims.update(dim for dim, _ in points)

@@ -1,4 +1,7 @@
-"""The student: a SentenceTransformer (optionally pruned to N layers), plus a projection in projection mode.
+"""The student stage: a SentenceTransformer (optionally pruned to N layers), plus a projection in projection mode.
+
+`build_student` loads it, freezes what the embedding never uses, and fits the projection (projection mode) or
+the rotation and the teacher's PCA basis (Matryoshka mode with a basis) on a sample of the teacher's vectors.
 
 `DistillationModel` is the one module Accelerate prepares (DDP wraps student and projection together):
 it maps tokenized features to the student's own embedding and to the embedding the loss compares with
@@ -8,15 +11,22 @@ the teacher (projected to the teacher's dimension, or the student's own in Matry
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.utils.checkpoint
+from accelerate import Accelerator
 from torch import nn
 
+from distill.batching import TokenizedTexts, map_sharded
+from distill.config import Config, ModelConfig
+from distill.distributed import main_decides
 from distill.errors import DistillError
-from distill.hub import resolve_model
-from distill.teacher import load_sentence_transformer
+from distill.hub import declared_dimension, load_sentence_transformer, resolve_model
+
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
 
 LAYER_CONTAINERS = ("encoder.layer", "encoder.layers", "layers", "transformer.layer", "h", "block", "encoder.block")
 
@@ -32,7 +42,7 @@ def load_student(
     max_seq_length: int | None = None,
     trust_remote_code: bool = False,
     attention_dropout: float | None = None,
-):  # noqa: ANN201 - SentenceTransformer
+) -> SentenceTransformer:
     """Load the student on the CPU (Accelerate moves it), keeping `num_layers` evenly spaced layers.
 
     `attention_dropout` replaces the dropout on attention probabilities while the student trains (None keeps
@@ -56,7 +66,7 @@ def load_student(
     return student
 
 
-def _restore_config_fields(student, overrides: dict, trust_remote_code: bool) -> None:  # noqa: ANN001
+def _restore_config_fields(student: SentenceTransformer, overrides: dict, trust_remote_code: bool) -> None:
     """Put the config fields that `overrides` set back to the checkpoint's values (absent ones removed).
 
     The modules were built with the overrides and keep them; only what the config records (and what the
@@ -100,7 +110,7 @@ def evenly_spaced(total: int, keep: int) -> list[int]:
     return sorted({int(round(i * (total - 1) / (keep - 1))) for i in range(keep)})
 
 
-def prune_layers(student, num_layers: int) -> list[int]:  # noqa: ANN001
+def prune_layers(student: SentenceTransformer, num_layers: int) -> list[int]:
     """Keep `num_layers` evenly spaced encoder layers of the student's transformer, in place."""
     backbone = student[0].auto_model
     owner, attr, layers = _layer_list(backbone)
@@ -171,7 +181,7 @@ def _checkpoint_forward(block: nn.Module) -> None:
     """Run `block` under non-reentrant checkpointing when training; its parameters and state_dict are unchanged."""
     forward = block.forward
 
-    def checkpointed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
         if block.training and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
         return forward(*args, **kwargs)
@@ -179,7 +189,7 @@ def _checkpoint_forward(block: nn.Module) -> None:
     block.forward = checkpointed
 
 
-def embedding_dim(student) -> int:  # noqa: ANN001
+def embedding_dim(student: SentenceTransformer) -> int:
     getter = getattr(student, "get_embedding_dimension", None) or student.get_sentence_embedding_dimension
     dim = getter()
     if not dim:
@@ -195,7 +205,7 @@ class DistillationModel(nn.Module):
     compares with the teacher: the projection's output in projection mode, the student's own otherwise.
     """
 
-    def __init__(self, student, projection: nn.Module | None = None):  # noqa: ANN001
+    def __init__(self, student: SentenceTransformer, projection: nn.Module | None = None) -> None:
         super().__init__()
         self.student = student
         self.projection = projection  # a sentence-transformers Dense, so export reuses it as it is
@@ -212,7 +222,7 @@ class DistillationModel(nn.Module):
         return outputs
 
 
-def dense_module():  # noqa: ANN201
+def dense_module() -> type[nn.Module]:
     try:
         from sentence_transformers.sentence_transformer.modules import Dense
     except ImportError:  # sentence-transformers < 6
@@ -220,7 +230,7 @@ def dense_module():  # noqa: ANN201
     return Dense
 
 
-def normalize_module():  # noqa: ANN201
+def normalize_module() -> nn.Module:
     try:
         from sentence_transformers.sentence_transformer.modules import Normalize
     except ImportError:  # sentence-transformers < 6
@@ -304,7 +314,7 @@ def orthogonal_procrustes(source: torch.Tensor, target: torch.Tensor) -> torch.T
     return (u @ vh).float()
 
 
-def add_rotation(student, rotation: torch.Tensor) -> None:  # noqa: ANN001 - SentenceTransformer
+def add_rotation(student: SentenceTransformer, rotation: torch.Tensor) -> None:
     """Append a fixed rotation (a bias-free sentence-transformers Dense, frozen) to the student's embedding.
 
     It goes after pooling and before a final Normalize, so the saved student applies it and loads as it is.
@@ -336,3 +346,105 @@ def matryoshka_dims(student_dim: int, requested: list[int] | None) -> list[int]:
             f"matryoshka_dims {too_big} exceed the student's {student_dim} dimensions; pass dims up to {student_dim}"
         )
     return sorted({d for d in dims if d > 0} | {student_dim}, reverse=True)
+
+
+PROJECTION_FIT_SAMPLES = 4096
+
+PCA_FIT_SAMPLES = 32768  # rows of the teacher's vectors its principal axes are computed from (a 3584-d teacher: ~1 min)
+
+
+def build_student(
+    accelerator: Accelerator,
+    config: Config,
+    teacher_dim: int,
+    fit_texts: list[str],
+    fit_targets: np.ndarray | None,
+) -> tuple[DistillationModel, list[int] | None, np.ndarray | None]:
+    """The student stage: the student; a fitted projection in projection mode, MRL dims (and basis) otherwise.
+
+    Returns (model, Matryoshka dims or None, teacher basis or None). The basis (teacher_dim x student_dim,
+    orthonormal columns) is what the teacher's vectors are multiplied by before truncation in MRL mode. The
+    projection, rotation and basis are fitted on `fit_texts` and the teacher's vectors of them, `fit_targets`.
+    """
+    student = load_student(
+        config.model.student_model,
+        config.model.student_num_layers,
+        config.model.max_seq_length,
+        config.model.trust_remote_code,
+        config.model.student_attention_dropout,
+    )
+    freeze_unused_parameters(student)
+    if config.training.gradient_checkpointing:
+        enable_gradient_checkpointing(student)  # before Accelerate prepares (and perhaps compiles) the model
+    student.to(accelerator.device)
+    student_dim = embedding_dim(student)
+    check_dimensions(student_dim, teacher_dim, config.model.use_projection)
+    if not config.model.use_projection and config.model.matryoshka_basis == "none":
+        return DistillationModel(student), matryoshka_dims(student_dim, config.model.matryoshka_dims), None
+    texts, targets = fit_texts, fit_targets
+    assert targets is not None, "a projection or basis needs the teacher's vectors of the fitting texts"
+    sample = np.random.default_rng(config.training.seed).permutation(len(texts))[:PROJECTION_FIT_SAMPLES]
+    sample.sort()
+    tokens = TokenizedTexts(student.tokenizer, [texts[i] for i in sample], student.max_seq_length)
+    student_vectors, _ = encode_student(accelerator, DistillationModel(student), tokens, 2 * config.training.batch_size)
+    sampled_targets = np.asarray(targets[sample], dtype=np.float32)
+    if config.model.use_projection:
+        init = config.model.projection_init
+        if init == "auto":
+            init = "orthogonal" if student_dim <= teacher_dim else "least_squares"
+        fit = orthogonal_projection if init == "orthogonal" else least_squares_projection
+        projection = fit(torch.from_numpy(student_vectors), torch.from_numpy(sampled_targets))  # fitted on the CPU
+        return DistillationModel(student, projection.to(accelerator.device)), None, None
+    # MRL with a PCA basis: the teacher's coordinates ordered by variance, so its truncations keep the most;
+    # the student gets the fixed rotation that best lines its own space up with that basis.
+    pca_rows = np.sort(np.random.default_rng(config.training.seed).permutation(len(targets))[:PCA_FIT_SAMPLES])
+    basis = main_decides(accelerator, lambda: pca_basis(targets[pca_rows])[:, :student_dim])
+    rotated = torch.nn.functional.normalize(torch.from_numpy(sampled_targets @ basis), dim=-1)
+    add_rotation(student, orthogonal_procrustes(torch.from_numpy(student_vectors), rotated).to(accelerator.device))
+    return DistillationModel(student), matryoshka_dims(student_dim, config.model.matryoshka_dims), basis
+
+
+def encode_student(
+    accelerator: Accelerator, model: DistillationModel, texts: TokenizedTexts, batch_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(student-space, target-space) vectors of `texts`, computed sharded across processes."""
+    model.eval()
+    device = accelerator.device
+
+    def encode(indices: list[int]) -> torch.Tensor:
+        features = {k: v.to(device) for k, v in texts.features(indices).items()}
+        with torch.no_grad(), accelerator.autocast():
+            student, target = model(features)[0]
+        return torch.cat([student.float(), target.float()], dim=1)
+
+    hint = f"lower --max_seq_length (the student reads up to {texts.max_length} tokens)"
+    both = map_sharded(accelerator, texts.lengths, batch_size, encode, too_long_hint=hint)
+    assert both is not None  # no sink: the vectors come back
+    return both[:, : model.student_dim], both[:, model.student_dim :]
+
+
+def check_declared_dimensions(model_config: ModelConfig) -> None:
+    """Matryoshka mode: teacher at least as wide as the student, --matryoshka_dims no wider, from the folders' configs.
+
+    Checked before the teacher encodes (hours, for a large one), not after.
+    """
+    if model_config.use_projection:
+        return
+    teacher_dim = declared_dimension(resolve_model(model_config.teacher_model, model_config.teacher_revision))
+    student_dim = declared_dimension(resolve_model(model_config.student_model))
+    if teacher_dim and student_dim:
+        check_dimensions(student_dim, teacher_dim, use_projection=False)
+    if student_dim:
+        matryoshka_dims(student_dim, model_config.matryoshka_dims)
+
+
+def freeze_unused_parameters(student: SentenceTransformer) -> None:
+    """Freeze parameters the sentence embedding never uses (e.g. BERT's pooler): DDP fails on them otherwise."""
+    features = student.preprocess(["a probe sentence", "another one"])
+    features.pop("modality", None)
+    student.train()
+    student(features)["sentence_embedding"].sum().backward()
+    for parameter in student.parameters():
+        if parameter.grad is None:
+            parameter.requires_grad_(False)
+        parameter.grad = None

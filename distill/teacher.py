@@ -19,26 +19,33 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
-from distill.batching import TOKENIZE_CHUNK, map_sharded
-from distill.cache import CACHE_FORMAT, CacheWriter, read_entry, touch
-from distill.config import ModelConfig
+from distill.allocator import release_freed_memory
+from distill.batching import TOKENIZE_CHUNK, PairVectors, map_sharded, topic_clusters
+from distill.cache import CACHE_FORMAT, CacheWriter, Role, read_entry, touch
+from distill.config import Config, ModelConfig
+from distill.data import DistillData, passage_texts
+from distill.distributed import everyone, main_decides, smallest
 from distill.errors import DistillError
-from distill.hub import hub_snapshot, model_fingerprint, read_json, resolve_model, shipped_models_hint
+from distill.evaluation import EvalVectors
+from distill.files import read_json
+from distill.hub import hub_snapshot, load_sentence_transformer, model_fingerprint, resolve_model
+
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
 
 logger = get_logger(__name__)
 
 BLOCK_ROWS_PER_PROCESS = 16384  # texts each process encodes between two progress marks: what a kill can cost
-
-Role = Literal["query", "document"]
 
 
 def teacher_dtype(choice: str, device: torch.device | str) -> str:
@@ -62,7 +69,7 @@ def load_teacher(
     revision: str | None = None,
     trust_remote_code: bool = False,
     dtype: str = "auto",
-):  # noqa: ANN201 - SentenceTransformer, imported lazily
+) -> SentenceTransformer:
     """Load a SentenceTransformer teacher for inference, its weights in `dtype` (see `teacher_dtype`)."""
     return load_sentence_transformer(
         resolve_model(name, revision),
@@ -71,43 +78,6 @@ def load_teacher(
         trust_remote_code=trust_remote_code,
         dtype=getattr(torch, teacher_dtype(dtype, device)),
     ).eval()
-
-
-def load_sentence_transformer(
-    path: str,
-    device: torch.device | str,
-    revision: str | None = None,
-    trust_remote_code: bool = False,
-    dtype: torch.dtype = torch.float32,
-    config_kwargs: dict | None = None,
-):  # noqa: ANN201
-    """SentenceTransformer(path) with its weights in `dtype`, errors turned into one line that says how to fix them.
-
-    The dtype is always passed: transformers 5 loads a checkpoint in the dtype it was saved in by default
-    (`dtype="auto"`), so a student saved in bfloat16 (Qwen3-Embedding, say) would train in pure bfloat16 and
-    a float16 teacher would run in float16 on a CPU. `config_kwargs` override fields of the backbone's
-    transformers config before it is built.
-    """
-    from sentence_transformers import SentenceTransformer
-
-    kwargs = {"model_kwargs": {"dtype": dtype}}
-    if config_kwargs:
-        kwargs["config_kwargs"] = config_kwargs
-    try:
-        return SentenceTransformer(
-            path, device=str(device), revision=revision, trust_remote_code=trust_remote_code, **kwargs
-        )
-    except ValueError as e:
-        if "trust_remote_code" in str(e):
-            raise DistillError(
-                f"model {path!r} ships its own code, which runs only if you allow it: pass --trust_remote_code "
-                "if you trust its authors"
-            ) from None
-        raise
-    except OSError as e:
-        raise DistillError(
-            f"model {path!r} could not be loaded ({str(e).splitlines()[0][:160]}); {shipped_models_hint()}"
-        ) from None
 
 
 # SentenceTransformer.encode_document's order: the first of these the teacher declares is its document prompt.
@@ -281,7 +251,7 @@ class TeacherCache:
         # A hit only where every machine has the entry: a rank that skipped encoding while the others encode
         # would leave them waiting in a collective forever. A machine that has it writes it again.
         here = cached is not None
-        if everyone_has(self.accelerator, here):
+        if everyone(self.accelerator, here):
             if self.accelerator.is_local_main_process:
                 touch(entry)  # its last use, for `python -m distill.cache prune --unused_days`
             return cached
@@ -350,19 +320,17 @@ class TeacherCache:
             "teacher on a GPU with more memory"
         )
         ahead = tokenize_ahead(teacher.device)
-        # the texts every machine's writer has marked done (non-writers pass the total)
-        done = smallest_everywhere(self.accelerator, writer.resume() if writer else len(texts))
-        if done:
-            logger.warning(
-                f"teacher cache: continuing an interrupted encoding at {done} of {len(texts)} {role} texts",
-                main_process_only=True,
-            )
         block = BLOCK_ROWS_PER_PROCESS * self.accelerator.num_processes
-        for start in range(done, len(texts), block):
+        for start in range(self._texts_done(writer, len(texts), role), len(texts), block):
             rows = np.sort(order[start : start + block])  # in text order; map_sharded shards and sorts them
 
             def tokenize(indices: list[int], rows: np.ndarray = rows) -> dict:
                 return teacher.preprocess([texts[rows[i]] for i in indices], prompt=prompt or None)
+
+            def tokenize_and_encode(
+                indices: list[int], tokenize: Callable[[list[int]], dict] = tokenize
+            ) -> torch.Tensor:
+                return encode(tokenize(indices))
 
             def sink(indices: np.ndarray, vectors: np.ndarray, rows: np.ndarray = rows) -> None:
                 # every rank gets every gathered chunk, so every rank raises here at the same chunk: none waits
@@ -374,7 +342,7 @@ class TeacherCache:
                 self.accelerator,
                 lengths[rows],
                 self.batch_size,
-                encode if ahead else lambda indices, tokenize=tokenize: encode(tokenize(indices)),
+                encode if ahead else tokenize_and_encode,
                 sink=sink,
                 prepare=tokenize if ahead else None,
                 too_long_hint=hint,
@@ -382,7 +350,17 @@ class TeacherCache:
             if writer is not None:
                 writer.mark(min(start + block, len(texts)))
 
-    def _load(self):  # noqa: ANN202
+    def _texts_done(self, writer: CacheWriter | None, count: int, role: Role) -> int:
+        """The texts every machine's writer has marked done in an interrupted encoding (non-writers pass `count`)."""
+        done = smallest(self.accelerator, writer.resume() if writer else count)
+        if done:
+            logger.warning(
+                f"teacher cache: continuing an interrupted encoding at {done} of {count} {role} texts",
+                main_process_only=True,
+            )
+        return done
+
+    def _load(self) -> SentenceTransformer:
         if self.teacher is None:
             started = time.perf_counter()
             with self.accelerator.local_main_process_first():  # one download per machine
@@ -394,7 +372,7 @@ class TeacherCache:
                     self.spec.compute_dtype,
                 )
             if self.spec.max_seq_length:
-                self.teacher.max_seq_length = self.spec.max_seq_length
+                self.teacher.max_seq_length = self.spec.max_seq_length  # type: ignore[attr-defined]
             self.load_seconds = time.perf_counter() - started
         return self.teacher
 
@@ -471,7 +449,9 @@ def tokenize_ahead(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-def token_lengths(model, texts: list[str], max_length: int | None, chunk_size: int = TOKENIZE_CHUNK) -> list[int]:  # noqa: ANN001
+def token_lengths(
+    model: SentenceTransformer, texts: list[str], max_length: int | None, chunk_size: int = TOKENIZE_CHUNK
+) -> list[int]:
     """Token count of each text under `model`'s tokenizer, truncated as the model will truncate it.
 
     Tokenized in chunks (`TOKENIZE_CHUNK`): the fast tokenizer's per-token bookkeeping for 40k texts at once
@@ -486,14 +466,92 @@ def token_lengths(model, texts: list[str], max_length: int | None, chunk_size: i
     return lengths
 
 
-def everyone_has(accelerator: Accelerator, has_entry: bool) -> bool:
-    """Whether every process found the cache entry on its own disk (one process: whether it did)."""
-    return bool(smallest_everywhere(accelerator, int(has_entry)))
+@dataclass
+class TeacherVectors:
+    """Cached teacher embeddings (memory-mapped) of everything the run uses."""
+
+    phase1: np.ndarray | None
+    queries: np.ndarray | None
+    passages: np.ndarray | None  # positives, then every query's negatives
+    passage_rows: np.ndarray | None  # (queries, 1 + negatives): row of each query's positive, then its negatives
+    topics: np.ndarray | None  # phase 2 with --topic_cluster_size: each pair's cluster
+    evaluation: EvalVectors | None
+    seconds: dict[str, float]  # teacher time spent per phase (0 on a warm cache), loading included
+    loaded: bool  # whether any teacher model was loaded at all
+    load_seconds: float  # the part of `seconds` spent loading the teacher (0 when not loaded)
+
+    def fit_sample(self, data: DistillData) -> tuple[list[str], np.ndarray | None]:
+        """Texts and teacher vectors a projection or basis is fitted on: phase 1's, else phase 2's passages."""
+        if data.phase1_texts and self.phase1 is not None:
+            return data.phase1_texts, self.phase1
+        return data.phase2.passages, self.passages
+
+    @property
+    def dim(self) -> int:
+        for vectors in (self.phase1, self.queries, self.evaluation.corpus if self.evaluation else None):
+            if vectors is not None:
+                return int(vectors.shape[1])
+        raise DistillError("nothing to distill: both phases are skipped and there is no evaluation set")
 
 
-def smallest_everywhere(accelerator: Accelerator, value: int) -> int:
-    """The smallest of every process's `value` (one gather; one process: its own)."""
-    if accelerator.num_processes == 1:
-        return value
-    values = accelerator.gather(torch.tensor([value], dtype=torch.int64, device=accelerator.device))
-    return int(values.min())
+def embed_with_teacher(accelerator: Accelerator, config: Config, data: DistillData) -> TeacherVectors:
+    """The teacher stage: every text the run needs, through the teacher cache; the teacher is freed afterwards."""
+    cache = TeacherCache(
+        accelerator,
+        TeacherSpec.from_config(config.model, accelerator.device),
+        config.output.teacher_cache_dir,
+        config.training.teacher_batch_size or config.training.batch_size,
+    )
+    seconds = {}
+    phase1 = cache.embeddings(data.phase1_texts, "document") if data.phase1_texts else None
+    seconds["phase1"] = cache.seconds
+    queries = passages = rows = topics = None
+    if len(data.phase2):
+        texts, rows = passage_texts(data.phase2)
+        queries = cache.embeddings(data.phase2.queries, "query")
+        passages = cache.embeddings(texts, "document")
+        if config.data.topic_cluster_size:  # a pair is its query plus its positive passage
+            size, seed, positives = config.data.topic_cluster_size, config.training.seed, rows[:, 0]
+
+            topics = main_decides(
+                accelerator, lambda: topic_clusters(PairVectors(queries, passages, positives), size, seed)
+            )
+    seconds["phase2"] = cache.seconds - seconds["phase1"]
+    evaluation = None
+    if data.evaluation is not None:
+        e = data.evaluation
+        evaluation = EvalVectors(
+            np.asarray(cache.embeddings(e.queries, "query"), dtype=np.float32),
+            np.asarray(cache.embeddings(e.corpus, "document"), dtype=np.float32),
+            np.asarray(cache.embeddings(e.sts_texts, "document"), dtype=np.float32) if e.sts_texts else None,
+        )
+    seconds["evaluation"] = cache.seconds - seconds["phase1"] - seconds["phase2"]
+    loaded = cache.loaded
+    cache.release()
+    release_freed_memory()  # the teacher's freed weights and activations go back to the OS
+    if rows is not None and config.data.mine_hard_negatives and rows.shape[1] == 1:  # the data brings none
+        # after the teacher is gone: on a GPU the search needs the device memory the teacher held
+        rows = np.concatenate([rows, mined_negatives(accelerator, config, texts, queries, passages)], axis=1)
+    return TeacherVectors(phase1, queries, passages, rows, topics, evaluation, seconds, loaded, cache.load_seconds)
+
+
+def mined_negatives(
+    accelerator: Accelerator, config: Config, texts: list[str], queries: np.ndarray, passages: np.ndarray
+) -> np.ndarray:
+    """The teacher's hardest negatives for each pair, other pairs' passages (nothing more to encode).
+
+    On the accelerator's device; a GPU that runs out of memory for the exhaustive search hands it to the CPU.
+    """
+    first_row: dict[str, int] = {}  # identical texts share an id: a copy of a positive is not its negative
+    ids = np.array([first_row.setdefault(text, len(first_row)) for text in texts], dtype=np.int64)
+    count = config.data.mine_hard_negatives
+    try:
+        return mine_hard_negatives(queries, passages, count, passage_ids=ids, device=accelerator.device)
+    except torch.OutOfMemoryError:
+        release_freed_memory()
+        logger.warning(
+            f"mine_hard_negatives: {len(passages):,} passages do not fit in {accelerator.device}'s free memory; "
+            "searching on the CPU instead (slower)",
+            main_process_only=False,  # each process mines on its own device, and may run out alone
+        )
+        return mine_hard_negatives(queries, passages, count, passage_ids=ids, device="cpu")

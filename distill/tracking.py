@@ -17,6 +17,7 @@ from typing import IO, Any
 
 from accelerate.tracking import GeneralTracker, on_main_process
 
+from distill.config import Config, to_flat_dict
 from distill.errors import DistillError
 
 METRICS_FILE = "metrics.jsonl"
@@ -85,6 +86,7 @@ class JsonlTracker(GeneralTracker):
     def _write(self, record: dict) -> None:
         if self._file is None:  # used without `Accelerator.init_trackers`
             self.start()
+        assert self._file is not None  # opened by start()
         self._file.write(json.dumps(record, default=_to_json) + "\n")
         self._file.flush()
 
@@ -124,3 +126,14 @@ def resolve_trackers(
             raise DistillError(f"tracker {name!r} needs the {name} package; run `pip install {name}` or drop it")
         resolved.append(name)
     return resolved
+
+
+def tracker_config(config: Config) -> dict:
+    """The flat config with values every tracker accepts (TensorBoard's hparams take no None or lists).
+
+    Without resume_from_checkpoint: how a segment of the run was started, not a setting of the experiment, so a
+    resumed run logs the config it started with (and the JSON-lines tracker does not write it again).
+    """
+    flat = to_flat_dict(config)
+    flat.pop("resume_from_checkpoint", None)
+    return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flat.items()}

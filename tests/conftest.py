@@ -184,3 +184,31 @@ def accelerator():
     from accelerate import Accelerator
 
     return Accelerator(cpu=True)
+
+
+# What an end-to-end test calls: the command line, a launcher, a child process. `make test-fast` leaves out the
+# tests that call one of these, themselves or through a fixture, with the slow and multi-process ones.
+PIPELINE_CALLS = ("main(", "launch(", "subprocess.", "run_ddp")
+
+
+def _runs_the_pipeline(item: pytest.Item) -> bool:
+    import inspect
+
+    functions = [getattr(item, "function", None)]
+    info = getattr(item, "_fixtureinfo", None)
+    if info is not None:
+        functions += [d.func for defs in info.name2fixturedefs.values() for d in defs]
+    for function in functions:
+        try:
+            source = inspect.getsource(function) if function is not None else ""
+        except (OSError, TypeError):
+            continue
+        if any(call in source for call in PIPELINE_CALLS):
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _runs_the_pipeline(item):
+            item.add_marker(pytest.mark.e2e)

@@ -88,7 +88,7 @@ CASES = {
     "zero learning rate": (lambda m, d, t: {"phase2_lr": 0}, r"phase2_lr: expected a number greater than 0, got 0"),
     "negative epochs and batch": (
         lambda m, d, t: {"phase1_epochs": -1, "batch_size": 0},
-        r"batch_size: expected a number greater than 0, got 0; phase1_epochs: expected a number greater than 0",
+        r"phase1_epochs: expected a number greater than 0, got -1; batch_size: expected a number greater than 0, got 0",
     ),
     "zero teacher batch": (
         lambda m, d, t: {"teacher_batch_size": 0},
@@ -203,12 +203,12 @@ OUT_OF_MEMORY = (
 def test_a_training_step_out_of_device_memory_says_what_to_change(
     tiny_models, tiny_data, tmp_path, capsys, monkeypatch
 ):
-    import distill.training as training
+    from distill.phases import AlignmentPhase
 
     def no_room(*args: object, **kwargs: object) -> None:
         raise torch.OutOfMemoryError(OUT_OF_MEMORY)
 
-    monkeypatch.setattr(training, "phase_loss", no_room)
+    monkeypatch.setattr(AlignmentPhase, "loss", no_room)
     out = tmp_path / "out"
     assert main(tiny_run_flags(tiny_models, tiny_data, out)) == 2
     lines = capsys.readouterr().err.strip().splitlines()
@@ -227,13 +227,13 @@ def test_out_of_device_memory_on_one_rank_is_reported_by_that_rank(tiny_models, 
     """Rank 1 alone runs out of memory: it says so with its rank, and rank 0 does not wait for it forever."""
     driver = tmp_path / "driver.py"
     driver.write_text(
-        "import sys\nimport torch\nimport distill.training as training\nfrom distill.train import main\n"
-        "real = training.phase_loss\n\n"
-        "def phase_loss(accelerator, *args, **kwargs):\n"
+        "import sys\nimport torch\nfrom distill.phases import AlignmentPhase\nfrom distill.train import main\n"
+        "real = AlignmentPhase.loss\n\n"
+        "def phase_loss(self, accelerator, *args, **kwargs):\n"
         "    if accelerator.process_index == 1:\n"
         f"        raise torch.OutOfMemoryError({OUT_OF_MEMORY!r})\n"
-        "    return real(accelerator, *args, **kwargs)\n\n"
-        "training.phase_loss = phase_loss\nsys.exit(main())\n"
+        "    return real(self, accelerator, *args, **kwargs)\n\n"
+        "AlignmentPhase.loss = phase_loss\nsys.exit(main())\n"
     )
     out = tmp_path / "out"
     flags = tiny_run_flags(tiny_models, tiny_data, out, skip_phase2=True)
@@ -264,7 +264,7 @@ def test_out_of_device_memory_on_one_rank_is_reported_by_that_rank(tiny_models, 
 
 
 def test_only_a_lost_peer_is_reported_as_one(monkeypatch):
-    from distill.train import lost_a_peer
+    from distill.distributed import lost_a_peer
 
     gloo = RuntimeError(
         "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "

@@ -8,7 +8,7 @@ from pathlib import Path
 from conftest import sentences
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import forward_chunks  # noqa: E402
+import forward_chunks
 
 
 def test_chunked_forward_pads_less_in_more_calls_and_the_table_shows_it(tiny_models) -> None:

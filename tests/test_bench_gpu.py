@@ -13,11 +13,11 @@ from sentence_transformers import SentenceTransformer
 from conftest import sentences
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import gpu  # noqa: E402
+import gpu
 
 
 @pytest.fixture
-def tokens(tiny_models):  # noqa: ANN001, ANN201
+def tokens(tiny_models):
     from distill.batching import TokenizedTexts
 
     student = gpu.make_student(tiny_models["student"])

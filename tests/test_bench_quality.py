@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import quality  # noqa: E402
+import quality
 
 
 def test_a_consistent_gain_is_a_win_and_noise_is_a_tie() -> None:

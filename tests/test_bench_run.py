@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import run  # noqa: E402
+import run
 
 
 def _found(attention_dropout: float | None) -> dict:

@@ -42,7 +42,7 @@ def make_entry(cache_dir: Path, key: str, count: int = 4, dim: int = 3, age_days
     return entry
 
 
-def make_partial(cache_dir: Path, key: str, host: str = HOST, done: int = 16, count: int = 40, age_days: float = 0.0):  # noqa: ANN201
+def make_partial(cache_dir: Path, key: str, host: str = HOST, done: int = 16, count: int = 40, age_days: float = 0.0):
     staging = cache_dir / f".{key}.partial-{host}"
     staging.mkdir(parents=True)
     np.save(staging / "embeddings.npy", np.zeros((count, 3), dtype=np.float16))
@@ -188,7 +188,7 @@ def test_an_unreadable_cache_is_one_line_not_a_traceback(
 ) -> None:
     make_entry(tmp_path, key(1))
 
-    def denied(self: Path):  # noqa: ANN202 - as a folder without read permission (tests run as root)
+    def denied(self: Path):
         raise PermissionError(errno.EACCES, "Permission denied", str(self))
 
     monkeypatch.setattr(Path, "iterdir", denied)
@@ -202,8 +202,8 @@ def test_an_unreadable_cache_is_one_line_not_a_traceback(
 def read_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """`tmp_path` as a folder whose listing cannot change (tests run as root, which permissions do not stop)."""
 
-    def guard(real):  # noqa: ANN001, ANN202
-        def call(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def guard(real):
+        def call(path, *args, **kwargs):
             creates = real is os.open and not Path(path).exists()
             if Path(path).parent == tmp_path and (real is not os.open or creates):
                 raise PermissionError(errno.EACCES, "Permission denied", str(path))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -156,7 +157,7 @@ def test_sigkill_then_resume_reaches_the_uninterrupted_weights(
     workers = training_processes(process)
     os.killpg(process.pid, signal.SIGKILL)  # the launcher, with no chance to clean up
     # torch elastic starts each rank in its own session (start_new_session), out of reach of killpg; the
-    # parent-death signal (distill.launch.stop_with_the_launcher) stops them as on SIGTERM: checkpoint, exit 143
+    # parent-death signal (distill.distributed.stop_with_the_launcher) stops them as on SIGTERM: checkpoint, exit 143
     stderr, alive = outlived_by(process, workers)
     assert not alive, f"ranks still running after their launcher was killed: {alive}"
     if num_processes > 1:  # a launcher died: its ranks stopped by themselves, with a checkpoint
@@ -213,46 +214,46 @@ def test_ctrl_c_on_a_relaunching_process_stops_its_ranks_as_sigint(tiny_models, 
 
 def test_a_sigterm_between_phases_is_kept_for_the_next_phase():
     """Each phase installs the handler; a SIGTERM caught before phase 2's loop (its teacher encoding) still counts."""
-    from distill.training import _Preemption
+    from distill.signals import PREEMPTION
 
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:
-        _Preemption.install()
-        assert not _Preemption.requested
+        PREEMPTION.install()
+        assert not PREEMPTION.requested
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.1)  # Python runs the handler at its next check
-        assert _Preemption.requested
-        _Preemption.install()  # the next phase
-        assert _Preemption.requested
+        assert PREEMPTION.requested
+        PREEMPTION.install()  # the next phase
+        assert PREEMPTION.requested
     finally:
         signal.signal(signal.SIGTERM, before[0])
         signal.signal(signal.SIGINT, before[1])  # install took Ctrl-C too
-        _Preemption.requested = False
+        PREEMPTION.requested = False
 
 
 def test_a_first_sigint_is_noted_and_a_second_interrupts_at_once():
     """Ctrl-C once: a flag, like SIGTERM, and Python's handler is back; again: KeyboardInterrupt. `release` (training
     over) restores the handler found at install."""
-    from distill.training import _Preemption, release_stop_signals
+    from distill.signals import PREEMPTION, release_stop_signals
 
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     try:
-        _Preemption.install()
+        PREEMPTION.install()
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.1)  # Python runs the handler at its next check
-        assert _Preemption.interrupted and not _Preemption.requested
-        _Preemption.install()  # the next phase: the flag stays, and so does the immediate second Ctrl-C
-        assert _Preemption.interrupted
+        assert PREEMPTION.interrupted and not PREEMPTION.requested
+        PREEMPTION.install()  # the next phase: the flag stays, and so does the immediate second Ctrl-C
+        assert PREEMPTION.interrupted
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.1)
-        _Preemption.install()
+        PREEMPTION.install()
         release_stop_signals()
-        assert not _Preemption.interrupted and signal.getsignal(signal.SIGINT) == before[0]
+        assert not PREEMPTION.interrupted and signal.getsignal(signal.SIGINT) == before[0]
     finally:
         signal.signal(signal.SIGINT, before[0])
         signal.signal(signal.SIGTERM, before[1])
-        _Preemption.requested = _Preemption.interrupted = False
+        PREEMPTION.requested = PREEMPTION.interrupted = False
 
 
 @pytest.mark.multiprocess
@@ -301,7 +302,7 @@ def test_elastic_restart_resumes_after_one_rank_dies(rendezvous, reference, tiny
     """Under --max_restarts, a rank killed mid-run makes the group restart and pick up the latest checkpoint.
 
     Both rendezvous backends keep one store for every attempt; the restarted group must not read the keys of
-    the killed one (distill.launch.join_group_of_this_attempt), or it hangs joining gloo's mesh.
+    the killed one (distill.distributed.join_group_of_this_attempt), or it hangs joining gloo's mesh.
     """
     out = tmp_path / "elastic"
     argv = [*flags(tiny_models, tiny_data, out, tmp_path / "cache"), "--ddp_timeout", "120"]
@@ -376,7 +377,7 @@ def test_a_checkpoint_from_another_run_is_refused(tmp_path):
     folder = tmp_path / "checkpoints" / "checkpoint-phase1-0000003"
     folder.mkdir(parents=True)
     state = TrainingState(identity={"teacher_model": "teacher-a", "student_model": "s"})
-    (folder / "state.json").write_text(json.dumps(state.__dict__))
+    (folder / "state.json").write_text(json.dumps(dataclasses.asdict(state)))
     with pytest.raises(DistillError, match="comes from a different run .*teacher_model: checkpoint has 'teacher-a'"):
         read_state(folder, {"teacher_model": "teacher-b", "student_model": "s"})
 
@@ -400,8 +401,8 @@ def test_latest_ignores_incomplete_checkpoints_and_bad_paths_are_errors(tmp_path
 
 def test_resume_refuses_other_training_settings_and_allows_the_same_global_batch(tmp_path):
     """Data order and schedule follow seed, epochs and the global batch: a checkpoint resumes only under the same."""
+    from distill.checkpoint import run_identity
     from distill.config import load_config
-    from distill.train import run_identity
 
     def identity(*argv: str, world: int = 1) -> dict:
         return run_identity(load_config(["--teacher_model", "t", "--student_model", "s", *argv]), world)
@@ -409,7 +410,7 @@ def test_resume_refuses_other_training_settings_and_allows_the_same_global_batch
     folder_state = TrainingState(identity=json.loads(json.dumps(identity("--batch_size", "16", world=1))))
 
     def resume_with(*argv: str, world: int = 1, state: TrainingState = folder_state) -> TrainingState:
-        (tmp_path / "state.json").write_text(json.dumps(state.__dict__))
+        (tmp_path / "state.json").write_text(json.dumps(dataclasses.asdict(state)))
         return read_state(tmp_path, identity(*argv, world=world))
 
     assert resume_with("--batch_size", "8", world=2).identity["global_batch_size"] == 16  # elastic, same global
@@ -433,7 +434,7 @@ def test_a_fresh_run_refuses_an_output_dir_with_an_earlier_runs_checkpoints(tiny
     out = tmp_path / "reused"
     earlier = out / "checkpoints" / "checkpoint-phase2-0000012"
     earlier.mkdir(parents=True)
-    (earlier / "state.json").write_text(json.dumps(TrainingState().__dict__))
+    (earlier / "state.json").write_text(json.dumps(dataclasses.asdict(TrainingState())))
     argv = tiny_run_flags(tiny_models, tiny_data, out, teacher_cache_dir=tmp_path / "cache", eval_data="none")
     assert main(argv) == 2
     message = capsys.readouterr().err
@@ -442,22 +443,22 @@ def test_a_fresh_run_refuses_an_output_dir_with_an_earlier_runs_checkpoints(tiny
     assert (earlier / "state.json").is_file() and not (out / "results.json").exists()
 
 
-def signal_at_call(monkeypatch: pytest.MonkeyPatch, call: int, make) -> None:  # noqa: ANN001
+def signal_at_call(monkeypatch: pytest.MonkeyPatch, call: int, make) -> None:
     """Wrap the phase loss so that its `call`-th call (a micro-batch) does `make(loss, reported)` first."""
-    import distill.training
+    from distill.phases import AlignmentPhase
 
     calls = [0]
-    phase_loss = distill.training.phase_loss
+    phase_loss = AlignmentPhase.loss
 
-    def wrapped(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def wrapped(*args, **kwargs):
         calls[0] += 1
         loss, reported = phase_loss(*args, **kwargs)
         return make(loss, reported) if calls[0] == call else (loss, reported)
 
-    monkeypatch.setattr(distill.training, "phase_loss", wrapped)
+    monkeypatch.setattr(AlignmentPhase, "loss", wrapped)
 
 
-def short_run_flags(tiny_models, tiny_data, out: Path, cache: Path, **extra) -> list[str]:  # noqa: ANN001
+def short_run_flags(tiny_models, tiny_data, out: Path, cache: Path, **extra) -> list[str]:
     """Phase 1 only, 6 optimizer steps, evaluated every 2, the best model kept."""
     settings = dict(skip_phase2=True, max_samples_phase1=48, eval_steps=2, keep_best=True, teacher_cache_dir=cache)
     return tiny_run_flags(tiny_models, tiny_data, out, **{**settings, **extra})
@@ -479,13 +480,13 @@ def test_a_stop_on_an_evaluation_step_leaves_that_evaluation_to_the_resume(
 ):
     """Stopped at step 4 of 6 (evaluated every 2) by SIGTERM or a Ctrl-C: the checkpoint marks step 4's evaluation
     as pending, and the resumed run's evaluations are the uninterrupted run's."""
+    from distill.signals import PREEMPTION
     from distill.train import main
-    from distill.training import _Preemption
 
     out = tmp_path / "stopped"
     argv = short_run_flags(tiny_models, tiny_data, out, evaluated_run.parent / "cache")
 
-    def send(loss, reported):  # noqa: ANN001, ANN202
+    def send(loss, reported):
         os.kill(os.getpid(), stop)
         return loss, reported
 
@@ -495,13 +496,13 @@ def test_a_stop_on_an_evaluation_step_leaves_that_evaluation_to_the_resume(
         assert main(argv) == exit_code
     finally:
         signal.signal(signal.SIGTERM, before[1])
-        _Preemption.requested = False
+        PREEMPTION.requested = False
     assert signal.getsignal(signal.SIGINT) == before[0]  # training is over: Ctrl-C interrupts at once again
     assert f"stopped by {stop.name} in phase1 at optimizer step 4;" in capsys.readouterr().err
     checkpoint = find_checkpoint(out, "latest")
     state = read_state(checkpoint, {})
     assert checkpoint.name == "checkpoint-phase1-0000004" and state.evaluation_pending
-    assert [h["step"] for h in state.results["evaluations"]["phase1"]] == [2]
+    assert [h["step"] for h in state.results.evaluations["phase1"]] == [2]
     monkeypatch.undo()
     reset_accelerate()
     assert main([*argv, "--resume_from_checkpoint", "latest"]) == 0
@@ -540,7 +541,8 @@ def test_every_rank_resumes_from_the_checkpoint_the_main_process_found(tmp_path,
     """`latest` is resolved on the main process only and broadcast: another rank never looks for itself."""
     from types import SimpleNamespace
 
-    import distill.train
+    import distill.distributed
+    from distill.checkpoint import resume_point
     from distill.config import build_config
 
     root = tmp_path / "checkpoints"
@@ -549,17 +551,17 @@ def test_every_rank_resumes_from_the_checkpoint_the_main_process_found(tmp_path,
         (root / name / "state.json").write_text("{}")
     config = build_config({"output_dir": str(tmp_path), "resume_from_checkpoint": "latest", "log_with": "none"})
     sent = []
-    monkeypatch.setattr(distill.train, "broadcast_object_list", lambda found: sent.append(list(found)))
+    monkeypatch.setattr(distill.distributed, "broadcast_object_list", lambda found: sent.append(list(found)))
     main_process = SimpleNamespace(is_main_process=True, num_processes=2)
-    assert distill.train.resume_point(main_process, config) == root / "checkpoint-phase1-0000006"
-    assert sent == [[(str(root / "checkpoint-phase1-0000006"), None)]]
+    assert resume_point(main_process, config) == root / "checkpoint-phase1-0000006"
+    assert sent == [[(root / "checkpoint-phase1-0000006", None)]]
 
     def receive(found: list) -> None:  # what the main process sent, whatever this rank would find
         found[0] = (str(root / "checkpoint-phase1-0000003"), None)
 
-    monkeypatch.setattr(distill.train, "broadcast_object_list", receive)
+    monkeypatch.setattr(distill.distributed, "broadcast_object_list", receive)
     other_rank = SimpleNamespace(is_main_process=False, num_processes=2)
-    assert distill.train.resume_point(other_rank, config) == root / "checkpoint-phase1-0000003"
-    monkeypatch.setattr(distill.train, "broadcast_object_list", lambda found: found.__setitem__(0, (None, "bad")))
+    assert resume_point(other_rank, config) == root / "checkpoint-phase1-0000003"
+    monkeypatch.setattr(distill.distributed, "broadcast_object_list", lambda found: found.__setitem__(0, (None, "bad")))
     with pytest.raises(DistillError, match="^bad$"):  # the main process's error, on every rank
-        distill.train.resume_point(other_rank, config)
+        resume_point(other_rank, config)

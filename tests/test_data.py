@@ -28,7 +28,7 @@ from distill.errors import DistillError
 
 @pytest.fixture(autouse=True)
 def accelerate_state() -> Iterator[None]:
-    """distill logs through accelerate's logger, which needs an accelerate state (train.py makes one first)."""
+    """distill logs through accelerate's logger, which needs an accelerate state (the pipeline makes one first)."""
     fresh = not PartialState._shared_state
     PartialState(cpu=True)
     yield

@@ -18,5 +18,5 @@ def test_readme_documents_every_flag():
 def test_readme_commands_are_make_targets():
     makefile = (REPO / "Makefile").read_text()
     readme = (REPO / "README.md").read_text()
-    for target in ("demo", "test"):
+    for target in ("demo", "test", "test-fast", "lint"):
         assert f"make {target}" in readme and f"\n{target}:" in makefile

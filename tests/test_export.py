@@ -193,7 +193,7 @@ def test_model_card_mentions_models_table_and_settings() -> None:
 def test_each_exported_folder_has_the_card_of_what_it_holds(
     tiny_models: dict[str, Path],
     tmp_path: Path,
-    accelerator,  # noqa: ANN001
+    accelerator,
     projection: bool,
 ) -> None:
     """The projected model's card says so; the student folder's (projection mode) says it is the bare student."""
@@ -215,7 +215,7 @@ def test_each_exported_folder_has_the_card_of_what_it_holds(
 def test_the_card_says_how_to_use_the_folder_and_the_folder_does_it(
     tiny_models: dict[str, Path],
     tmp_path: Path,
-    accelerator,  # noqa: ANN001
+    accelerator,
     projection: bool,
 ) -> None:
     """What the card tells a user (width, teacher space, truncate_dim, no prompts) is what SentenceTransformer does."""

@@ -14,8 +14,8 @@ import torch
 
 from conftest import tiny_run_flags
 from distill.allocator import find_tcmalloc
+from distill.distributed import RELAUNCHED, maybe_relaunch, relaunch_command, strip_flag
 from distill.errors import DistillError
-from distill.launch import RELAUNCHED, maybe_relaunch, relaunch_command, strip_flag
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -169,7 +169,7 @@ def test_run_ddp_without_gpus_runs_cpu_processes(tiny_models, tiny_data, tmp_pat
 RESTARTED_WORKER = """
 import os, torch, torch.distributed as dist
 from datetime import timedelta
-from distill.launch import join_group_of_this_attempt
+from distill.distributed import join_group_of_this_attempt
 assert join_group_of_this_attempt(timedelta(seconds=30))
 total = torch.tensor([float(os.environ["RANK"]) + 1])
 dist.all_reduce(total)

@@ -34,7 +34,7 @@ def phase(steps: int, start: float) -> dict:
 
 
 def results(matryoshka: bool = True, phases: tuple[str, ...] = ("phase1", "phase2")) -> dict:
-    """A results dict shaped like `train.run`'s (Matryoshka keys are strings, as after a JSON round trip)."""
+    """A results dict shaped like `RunResults.to_dict()` (Matryoshka keys are strings, as after a JSON round trip)."""
     curve = {"64": 0.55, "32": 0.5, "16": 0.4} if matryoshka else None
     out: dict = {
         "world_size": 2,
@@ -89,13 +89,13 @@ def test_report_without_evaluation_or_phases(tmp_path: Path) -> None:
     assert "(no evaluation set)" in text and "(no training phase ran)" in text and "keeps" not in text
 
 
-def mid_phase_axes(figure) -> list:  # noqa: ANN001 - a matplotlib Figure
+def mid_phase_axes(figure) -> list:
     return [a for a in figure.axes if a.get_ylabel().startswith("nDCG@10 (mid-phase")]
 
 
 def test_report_shows_the_mid_phase_evaluations(tmp_path: Path) -> None:
     data = results()
-    data["evaluations"] = {  # as train.py records them with --eval_steps: steps count within each phase
+    data["evaluations"] = {  # as the phases record them with --eval_steps: steps count within each phase
         "phase1": [{"step": 10, "ndcg@10": 0.47, "teacher_cosine": 0.8}, {"step": 20, "ndcg@10": 0.49}],
         "phase2": [{"step": 15, "ndcg@10": 0.52}],
     }

@@ -52,7 +52,7 @@ def spy_on_map_sharded(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
     seen: dict[str, object] = {}
     real_map = teacher_module.map_sharded
 
-    def spy(accelerator, lengths, batch_size, encode, **kwargs):  # noqa: ANN001, ANN202
+    def spy(accelerator, lengths, batch_size, encode, **kwargs):
         seen["lengths"], seen["prepare"] = np.asarray(lengths), kwargs.get("prepare")
         return real_map(accelerator, lengths, batch_size, encode, **kwargs)
 
@@ -219,7 +219,7 @@ def corrupt_values_header(entry: Path) -> None:
 )
 def test_corrupt_entry_is_rebuilt(
     corrupt, accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path
-) -> None:  # noqa: ANN001
+) -> None:
     texts = sentences(16, seed=9)
     cache_dir = tmp_path / "cache"
     first = make_cache(accelerator, tiny_models["teacher"], cache_dir)
@@ -382,7 +382,7 @@ def test_teacher_seconds_count_the_loading_once(
 
     real_load = teacher_module.load_teacher
 
-    def slow_load(*args: object, **kwargs: object):  # noqa: ANN202
+    def slow_load(*args: object, **kwargs: object):
         time.sleep(1.0)
         return real_load(*args, **kwargs)
 
@@ -446,7 +446,7 @@ def test_a_teacher_batch_too_large_for_the_device_is_encoded_in_halves(
     teacher = cache._load()
     real_forward, sizes = type(teacher).forward, []
 
-    def forward(self, features, *args, **kwargs):  # noqa: ANN001, ANN202
+    def forward(self, features, *args, **kwargs):
         sizes.append(len(features["input_ids"]))
         if sizes[-1] > 3:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB.")
@@ -468,7 +468,7 @@ def interrupt_after_blocks(monkeypatch: pytest.MonkeyPatch, blocks: int) -> list
 
     sizes: list[int] = []
 
-    def spy(accelerator, lengths, batch_size, encode, **kwargs):  # noqa: ANN001, ANN202
+    def spy(accelerator, lengths, batch_size, encode, **kwargs):
         if len(sizes) == blocks:
             raise Killed
         sizes.append(len(lengths))
@@ -759,18 +759,18 @@ def test_a_hit_needs_every_process_to_hit(
             self.flags = flags
             self.device = "cpu"
 
-        def gather(self, tensor):  # noqa: ANN001, ANN202
+        def gather(self, tensor):
             import torch
 
             return torch.tensor(self.flags)
 
-    assert teacher_module.everyone_has(TwoProcesses([1, 1]), True)
-    assert not teacher_module.everyone_has(TwoProcesses([1, 0]), True)  # the other machine lacks it
-    assert teacher_module.everyone_has(accelerator, True) and not teacher_module.everyone_has(accelerator, False)
+    assert teacher_module.everyone(TwoProcesses([1, 1]), True)
+    assert not teacher_module.everyone(TwoProcesses([1, 0]), True)  # the other machine lacks it
+    assert teacher_module.everyone(accelerator, True) and not teacher_module.everyone(accelerator, False)
     # a process that has the entry while another does not encodes with the others, and ends with the same vectors
     texts = sentences(6, seed=8)
     make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache").embeddings(texts, "document")
-    monkeypatch.setattr(teacher_module, "everyone_has", lambda accelerator, here: False)
+    monkeypatch.setattr(teacher_module, "everyone", lambda accelerator, here: False)
     cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache")
     vectors = np.asarray(cache.embeddings(texts, "document"), dtype=np.float32)
     assert cache.loaded
@@ -864,7 +864,7 @@ def saved_copy(model: Path, folder: Path, edit: Callable[[object], object]) -> P
 def poison_word(word: str) -> Callable[[object], None]:
     """An edit that makes the word's embedding NaN: every text holding it encodes to NaN, the others are finite."""
 
-    def edit(model) -> None:  # noqa: ANN001 - SentenceTransformer
+    def edit(model) -> None:
         with torch.no_grad():
             model[0].auto_model.embeddings.word_embeddings.weight[model.tokenizer.convert_tokens_to_ids(word)] = np.nan
 

@@ -66,7 +66,7 @@ def test_a_resumed_run_does_not_repeat_its_config_line(tmp_path: Path) -> None:
     """A new run writes its config line, even the file's last one again; a resumed segment only a different one."""
     from conftest import reset_accelerate
     from distill.config import build_config
-    from distill.train import tracker_config
+    from distill.tracking import tracker_config
 
     def segment(config: dict, step: int, resumed: bool = False) -> None:
         accelerator = Accelerator(cpu=True, log_with=[JsonlTracker(tmp_path, resumed)], project_dir=tmp_path)

@@ -357,24 +357,26 @@ def test_eval_steps_log_mid_phase_and_keep_the_best_model(tiny_models, tiny_data
     assert "| phase1 | 4 |" in report and "| phase2 | 4 |" in report
 
 
-def short_evaluated_flags(tiny_models, tiny_data, out: Path, **options) -> list[str]:  # noqa: ANN001
+def short_evaluated_flags(tiny_models, tiny_data, out: Path, **options) -> list[str]:
     """A short run: 6 optimizer steps a phase (48 texts, 48 pairs; batch 8)."""
     return tiny_run_flags(tiny_models, tiny_data, out, max_samples_phase1=48, max_samples_phase2=48, **options)
 
 
 def rising_ndcg(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     """Each student evaluation scores a higher nDCG@10 than the last (the real metrics otherwise); returns them all."""
-    import distill.train
+    import distill.evaluation
+    import distill.pipeline
 
     made = []
-    evaluate = distill.train.evaluate_student
+    evaluate = distill.evaluation.evaluate_student
 
-    def rising(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def rising(*args, **kwargs):
         metrics = {**evaluate(*args, **kwargs), "ndcg@10": float(len(made))}
         made.append(metrics)
         return metrics
 
-    monkeypatch.setattr(distill.train, "evaluate_student", rising)
+    monkeypatch.setattr(distill.pipeline, "evaluate_student", rising)  # the untrained student
+    monkeypatch.setattr(distill.evaluation, "evaluate_student", rising)  # the phases' evaluations
     return made
 
 
@@ -433,21 +435,24 @@ def test_train_seconds_leave_out_evaluations_and_checkpoints(tiny_models, tiny_d
     """
     import time
 
-    import distill.train
-    import distill.training
+    import distill.evaluation
+    import distill.loop
+    import distill.pipeline
 
     pauses = []
 
-    def slower(real):  # noqa: ANN001, ANN202
-        def slow(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def slower(real):
+        def slow(*args, **kwargs):
             time.sleep(1.0)
             pauses.append(1.0)
             return real(*args, **kwargs)
 
         return slow
 
-    monkeypatch.setattr(distill.train, "evaluate_student", slower(distill.train.evaluate_student))
-    monkeypatch.setattr(distill.training, "save_checkpoint", slower(distill.training.save_checkpoint))
+    slow_evaluation = slower(distill.evaluation.evaluate_student)
+    monkeypatch.setattr(distill.pipeline, "evaluate_student", slow_evaluation)
+    monkeypatch.setattr(distill.evaluation, "evaluate_student", slow_evaluation)
+    monkeypatch.setattr(distill.loop, "save_checkpoint", slower(distill.loop.save_checkpoint))
     out = tmp_path / "timed"
     flags = short_evaluated_flags(tiny_models, tiny_data, out, eval_steps=2, checkpoint_steps=2, skip_phase2=True)
     assert main(flags) == 0
@@ -458,16 +463,16 @@ def test_train_seconds_leave_out_evaluations_and_checkpoints(tiny_models, tiny_d
 
 
 def test_mined_hard_negatives_join_phase_two_without_re_encoding(tiny_models, tiny_data, tmp_path, monkeypatch):
-    import distill.train as train_module
+    import distill.teacher as train_module
 
     devices, events = [], []
 
-    def mine(*args, real=train_module.mine_hard_negatives, **kwargs):  # noqa: ANN001, ANN202
+    def mine(*args, real=train_module.mine_hard_negatives, **kwargs):
         devices.append(kwargs.get("device"))
         events.append("mine")
         return real(*args, **kwargs)
 
-    def release(cache, real=train_module.TeacherCache.release):  # noqa: ANN001, ANN202
+    def release(cache, real=train_module.TeacherCache.release):
         events.append("release teacher")
         return real(cache)
 
@@ -490,11 +495,11 @@ def test_mined_hard_negatives_join_phase_two_without_re_encoding(tiny_models, ti
 
 
 def test_mining_that_runs_out_of_device_memory_goes_on_on_the_cpu(monkeypatch):
-    import distill.train as train_module
+    import distill.teacher as train_module
 
     devices = []
 
-    def mine(*args, real=train_module.mine_hard_negatives, **kwargs):  # noqa: ANN001, ANN202
+    def mine(*args, real=train_module.mine_hard_negatives, **kwargs):
         devices.append(str(kwargs["device"]))
         if kwargs["device"] != "cpu":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.81 GiB")
@@ -511,13 +516,13 @@ def test_mining_that_runs_out_of_device_memory_goes_on_on_the_cpu(monkeypatch):
 
 
 def test_teacher_batch_size_sets_the_teachers_batches_only(tiny_models, tiny_data, tmp_path, monkeypatch):
-    import distill.evaluation as evaluation_module
+    import distill.student as student_module
     import distill.teacher as teacher_module
 
     sizes: dict[str, set[int]] = {"teacher": set(), "student": set()}
-    for name, module in (("teacher", teacher_module), ("student", evaluation_module)):
+    for name, module in (("teacher", teacher_module), ("student", student_module)):
 
-        def spy(accelerator, lengths, batch_size, encode, real=module.map_sharded, seen=sizes[name], **kwargs):  # noqa: ANN001, ANN202
+        def spy(accelerator, lengths, batch_size, encode, real=module.map_sharded, seen=sizes[name], **kwargs):
             seen.add(batch_size)
             return real(accelerator, lengths, batch_size, encode, **kwargs)
 
@@ -528,22 +533,23 @@ def test_teacher_batch_size_sets_the_teachers_batches_only(tiny_models, tiny_dat
 
 
 def test_topic_clusters_shape_phase_two_batches_only(tiny_models, tiny_data, tmp_path, monkeypatch):
-    import distill.train as train_module
+    import distill.phases as phases_module
+    import distill.teacher as train_module
 
     clustered, loaders = [], []
-    real_clusters, real_loader = train_module.topic_clusters, train_module.make_loader
+    real_clusters, real_loader = train_module.topic_clusters, phases_module.make_loader
 
-    def spy_clusters(vectors, size, seed):  # noqa: ANN001, ANN202
+    def spy_clusters(vectors, size, seed):
         labels = real_clusters(vectors, size, seed)
         clustered.append((vectors[np.arange(len(vectors))].shape, size, seed, labels))  # rows on demand
         return labels
 
-    def spy_loader(lengths, global_batch, seed, collate, topics=None):  # noqa: ANN001, ANN202
+    def spy_loader(lengths, global_batch, seed, collate, topics=None):
         loaders.append((len(lengths), topics))
         return real_loader(lengths, global_batch, seed, collate, topics)
 
     monkeypatch.setattr(train_module, "topic_clusters", spy_clusters)
-    monkeypatch.setattr(train_module, "make_loader", spy_loader)
+    monkeypatch.setattr(phases_module, "make_loader", spy_loader)
     out = tmp_path / "topics"
     assert main(tiny_run_flags(tiny_models, tiny_data, out, topic_cluster_size=16)) == 0
     train_pairs = len(Path(tiny_data["pairs"]).read_text().splitlines()) - 16  # 16 pairs are held out
@@ -555,8 +561,8 @@ def test_topic_clusters_shape_phase_two_batches_only(tiny_models, tiny_data, tmp
 
 
 def test_projection_gets_its_own_learning_rate(tiny_models):
+    from distill.loop import make_optimizer
     from distill.student import DistillationModel, least_squares_projection, load_student
-    from distill.training import make_optimizer
 
     student = load_student(str(tiny_models["student"]))
     projection = least_squares_projection(torch.randn(64, 32), torch.randn(64, 48))
@@ -575,8 +581,8 @@ def test_projection_gets_its_own_learning_rate(tiny_models):
 
 def test_optimizer_fuses_the_update_where_torch_can_and_matches_the_plain_loop(tiny_models):
     """The fused AdamW of a CPU run takes the same steps as torch's per-parameter loop (foreach off)."""
+    from distill.loop import make_optimizer
     from distill.student import DistillationModel, load_student
-    from distill.training import make_optimizer
 
     models = [DistillationModel(load_student(str(tiny_models["student"]))).eval() for _ in range(2)]  # no dropout
     start = [p.detach().clone() for p in models[0].parameters()]
@@ -599,19 +605,19 @@ def test_optimizer_fuses_the_update_where_torch_can_and_matches_the_plain_loop(t
 
 def optimizer_step_gradients(
     tiny_models, tiny_data, out: Path, monkeypatch: pytest.MonkeyPatch, accumulation: int
-) -> list[torch.Tensor]:  # noqa: ANN001
+) -> list[torch.Tensor]:
     """The gradient each optimizer step of a phase 1 of 5 batches is taken with; the steps update nothing, so every
     gradient is taken at the starting weights and runs with other accumulation windows can be compared."""
-    import distill.training
+    import distill.loop
 
     gradients: list[torch.Tensor] = []
 
     class Recording(torch.optim.SGD):
-        def step(self, closure=None):  # noqa: ANN001, ANN202
+        def step(self, closure=None):
             grads = [p.grad.flatten() for group in self.param_groups for p in group["params"] if p.grad is not None]
             gradients.append(torch.cat(grads).clone())
 
-    monkeypatch.setattr(distill.training, "make_optimizer", lambda model, *args: Recording(model.parameters(), lr=0.1))
+    monkeypatch.setattr(distill.loop, "make_optimizer", lambda model, *args: Recording(model.parameters(), lr=0.1))
     flags = tiny_run_flags(tiny_models, tiny_data, out, eval_data="none", max_samples_phase1=40, max_grad_norm=0)
     assert main([*flags, "--skip_phase2", "--gradient_accumulation_steps", str(accumulation)]) == 0
     return gradients
@@ -645,7 +651,7 @@ def test_projection_warmup_trains_only_the_projection(tiny_models, tiny_data, tm
 
 
 def test_scheduler_holds_the_backbone_at_zero_then_warms_it_up():
-    from distill.training import make_scheduler
+    from distill.loop import make_scheduler
 
     projection = torch.nn.Parameter(torch.zeros(2))
     backbone = torch.nn.Parameter(torch.zeros(2))
@@ -671,7 +677,7 @@ def test_scheduler_holds_the_backbone_at_zero_then_warms_it_up():
 
 
 def test_passage_memory_adds_earlier_steps_as_detached_candidates():
-    from distill.training import PassageMemory
+    from distill.phases import PassageMemory
 
     memory = PassageMemory(2)
     batches = [(torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)) for _ in range(4)]
@@ -705,7 +711,7 @@ def test_passage_memory_adds_earlier_steps_as_detached_candidates():
 
 
 def test_weight_average_starts_at_the_phase_start_and_the_phase_ends_with_it():
-    from distill.training import WeightAverage
+    from distill.loop import WeightAverage
 
     model = torch.nn.Linear(3, 2)
     start = [p.detach().clone() for p in model.parameters()]
@@ -748,7 +754,7 @@ def test_projection_init_is_orthogonal_unless_the_student_is_wider(tiny_models, 
         assert ("dense.linear.bias" in weights) == expect_bias, student
 
 
-def option_run_flags(tiny_models, tiny_data, out: Path, cache: Path, **options) -> list[str]:  # noqa: ANN001
+def option_run_flags(tiny_models, tiny_data, out: Path, cache: Path, **options) -> list[str]:
     """A short exported run (6 + 4 optimizer steps, a checkpoint every 3) to hold a training option to.
 
     The projection is fitted by ridge least squares, whose regularisation keeps the fit stable when 2 processes,
@@ -794,7 +800,7 @@ def test_make_accelerator_wires_compile_and_gradient_compression(tmp_path):
     from accelerate.utils import DDPCommunicationHookType, DynamoBackend
 
     from distill.config import build_config
-    from distill.train import make_accelerator
+    from distill.distributed import make_accelerator
 
     values = {"torch_compile": True, "torch_compile_backend": "aot_eager", "ddp_comm_hook": "fp16"}
     accelerator = make_accelerator(build_config({**values, "log_with": "none", "output_dir": str(tmp_path)}))
@@ -809,7 +815,7 @@ def test_make_accelerator_wires_compile_and_gradient_compression(tmp_path):
 def test_bf16_gradient_compression_is_refused_on_cpu_processes(tmp_path, monkeypatch):
     """PyTorch registers the bf16 hook only with CUDA and NCCL >= 2.10: say so at start-up, not in a DDP traceback."""
     from distill.config import build_config
-    from distill.train import make_accelerator
+    from distill.distributed import make_accelerator
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # as accelerate launch sets it; restored after the test
     monkeypatch.setenv("ACCELERATE_USE_CPU", "false")
@@ -822,7 +828,7 @@ def test_bf16_gradient_compression_is_refused_on_cpu_processes(tmp_path, monkeyp
 def test_fp16_is_refused_on_a_cpu_whether_from_the_flag_or_from_accelerate_launch(tmp_path, monkeypatch):
     """Accelerate takes fp16 on a CPU and trains in float32 without a word (measured: bit-equal weights to `no`)."""
     from distill.config import build_config
-    from distill.train import make_accelerator
+    from distill.distributed import make_accelerator
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     base = {"log_with": "none", "output_dir": str(tmp_path)}
@@ -838,7 +844,7 @@ def test_fp16_is_refused_on_a_cpu_whether_from_the_flag_or_from_accelerate_launc
 def test_relative_similarity_refuses_a_global_batch_it_cannot_hold(tmp_path, monkeypatch):
     """Its (scores x scores) matrices grow with the fourth power of the global batch: refused at start-up."""
     from distill.config import build_config
-    from distill.train import make_accelerator
+    from distill.distributed import make_accelerator
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # no CPU-only branch: the check comes first
@@ -860,7 +866,7 @@ def test_torch_compile_resumes_an_eager_checkpoint_and_trains_as_eager(
     compiled = []
     compile_regions = accelerate.accelerator.compile_regions
 
-    def recording_compile_regions(module, **kwargs):  # noqa: ANN001, ANN202
+    def recording_compile_regions(module, **kwargs):
         compiled.append(kwargs["backend"])
         return compile_regions(module, **kwargs)
 
@@ -887,11 +893,11 @@ def test_torch_compile_resumes_an_eager_checkpoint_and_trains_as_eager(
 def test_gradient_checkpointing_changes_no_loss_and_stays_out_of_the_export(
     tiny_models, tiny_data, eager_run, tmp_path, monkeypatch
 ):
-    import distill.train
+    import distill.student
 
     enabled = []
-    enable = distill.train.enable_gradient_checkpointing
-    monkeypatch.setattr(distill.train, "enable_gradient_checkpointing", lambda s: enabled.extend(enable(s)))
+    enable = distill.student.enable_gradient_checkpointing
+    monkeypatch.setattr(distill.student, "enable_gradient_checkpointing", lambda s: enabled.extend(enable(s)))
     out = tmp_path / "checkpointed"
     flags = option_run_flags(tiny_models, tiny_data, out, eager_run.parent / "cache", gradient_checkpointing=True)
     assert main(flags) == 0
@@ -909,7 +915,7 @@ def test_rounded_batch_widths_change_no_loss(tiny_models, tiny_data, eager_run, 
     widths = []
     features = TokenizedTexts.features
 
-    def recorded(self, indices):  # noqa: ANN001, ANN202
+    def recorded(self, indices):
         out = features(self, indices)
         widths.append((self.pad_to_multiple_of, out["input_ids"].shape[1], int(self.lengths[indices].max())))
         return out
@@ -932,7 +938,7 @@ def test_forward_chunks_change_no_loss(tiny_models, tiny_data, eager_run, tmp_pa
     chunk_counts = []
     chunked_features = TokenizedTexts.chunked_features
 
-    def recorded(self, indices, max_chunks):  # noqa: ANN001, ANN202
+    def recorded(self, indices, max_chunks):
         out = chunked_features(self, indices, max_chunks)
         chunk_counts.append((max_chunks, len(out["chunks"])))
         return out

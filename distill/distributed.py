@@ -1,0 +1,363 @@
+"""Distributed mechanics, in one place: the Accelerator, the relaunch, and what processes agree on.
+
+- `make_accelerator`: precision, accumulation, torch.compile, DDP's gradient compression, trackers.
+- `maybe_relaunch`: `accelerate launch -m distill.train --num_processes 8` passes the flag to the module, not
+  to accelerate; a plain `python -m distill.train --num_processes 8` does too. Rather than silently train on
+  one process, distill starts itself again under `accelerate launch --num_processes 8`. Without CUDA it runs N
+  CPU processes over gloo (`ACCELERATE_USE_CPU=true`, without which each CPU process would train alone).
+- `main_decides`: the main process decides (probes a folder, picks a checkpoint, fits a basis) and every
+  process learns the verdict, or the error, so all of them stop together and none waits alone.
+- `everyone`, `smallest`: agreements across ranks.
+- `rank`, `world_size`, `is_first_rank`: this process's place, for the code that runs before an Accelerator
+  exists (the command line, signal handlers).
+
+No other module reads rank variables from the environment or branches on the main process, except the leaf
+writers (the cache writer, the exporter, the checkpoint and results writers), each followed by a barrier.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
+from accelerate.utils import (
+    DDPCommunicationHookType,
+    TorchDynamoPlugin,
+    broadcast_object_list,
+    parse_flag_from_env,
+)
+
+from distill.config import Config
+from distill.errors import DistillError, first_sentences
+from distill.tracking import resolve_trackers
+
+T = TypeVar("T")
+
+RELAUNCHED = "DISTILL_RELAUNCHED"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None  # resolved before forks
+
+
+def arm_parent_death_signal() -> bool:
+    """Linux: have the kernel send this process SIGTERM when its parent dies. Returns whether it is armed."""
+    return _PRCTL is not None and _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0
+
+
+def stop_with_the_launcher() -> bool:
+    """Under torch elastic (`accelerate launch`, torchrun), have the kernel send SIGTERM if the launcher dies.
+
+    torch elastic starts each rank in a session of its own, so a SIGKILL to the launcher (kill -9, the OOM
+    killer) never reaches the ranks: they would train on with nobody to collect them, holding their devices
+    and rotating checkpoints. With the parent-death signal they stop as on preemption: they finish the step,
+    write a checkpoint and exit 143. Linux only; elsewhere, and outside torch elastic, nothing changes (a
+    plain `python -m distill.train`, nohup'ed or not, keeps running when its shell goes). A launcher that died
+    before this call leaves the rank to init (pid 1) in most containers: that too is taken as the signal.
+    Returns whether the signal is armed.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not arm_parent_death_signal():
+        return False
+    if os.getppid() == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
+
+
+def world_size() -> int:
+    """Processes in this job, as the launcher set them (1 without a launcher)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    """This process's rank in the job, as the launcher set it (0 without a launcher)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def is_first_rank() -> bool:
+    """Whether this process speaks for the job where one line is said once (the command line's errors)."""
+    return rank() == 0
+
+
+def elastic_restart() -> bool:
+    """Whether torchelastic restarted this group after a failure (`--max_restarts`)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def strip_flag(argv: list[str], flag: str) -> list[str]:
+    """argv without `--flag VALUE` / `--flag=VALUE`."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg == f"--{flag}":
+            skip = True
+            continue
+        if arg.startswith(f"--{flag}="):
+            continue
+        out.append(arg)
+    return out
+
+
+def relaunch_command(
+    num_processes: int, argv: list[str], accelerate_config: str | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """The `accelerate launch` command and environment that run this module on `num_processes` processes."""
+    env = dict(os.environ, **{RELAUNCHED: "1"})
+    command = [sys.executable, "-m", "accelerate.commands.launch"]
+    if accelerate_config:  # the file names one machine (checked in maybe_relaunch)
+        command += ["--config_file", accelerate_config]
+    else:
+        command += ["--num_machines", "1"]
+    command += ["--num_processes", str(num_processes)]
+    if num_processes > 1:
+        command += ["--multi_gpu"]
+    if not torch.cuda.is_available():
+        env["ACCELERATE_USE_CPU"] = "true"
+    return command + ["-m", "distill.train", *strip_flag(argv, "num_processes")], env
+
+
+def check_num_processes(num_processes: int) -> None:
+    gpus = torch.cuda.device_count()
+    if gpus and num_processes > gpus:
+        raise DistillError(
+            f"--num_processes {num_processes} asks for more processes than the {gpus} visible GPUs; pass at most "
+            f"{gpus}, or set CUDA_VISIBLE_DEVICES to expose more"
+        )
+
+
+def config_file_topology(accelerate_config: str) -> tuple[int, int | None]:
+    """(machines, processes) an accelerate config file names; processes None when it leaves them open."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    settings = load_config_from_file(accelerate_config)
+    processes = int(settings.num_processes or 0)
+    return int(settings.num_machines or 1), processes if processes > 0 else None
+
+
+def maybe_relaunch(num_processes: int | None, argv: list[str], accelerate_config: str | None = None) -> int | None:
+    """Exit code of a relaunched run, or None when this process should train itself.
+
+    With `accelerate_config`, a process not started by a launcher starts itself again under that file, on
+    its `num_processes` unless `--num_processes` is given. The relaunch runs on this machine only, so a file
+    that names several machines is an error that says how to launch each one.
+    """
+    world = world_size()
+    if accelerate_config and world == 1 and not os.environ.get(RELAUNCHED):
+        machines, file_processes = config_file_topology(accelerate_config)
+        if machines > 1:
+            raise DistillError(
+                f"--accelerate_config {accelerate_config} names {machines} machines, but distill relaunches itself "
+                f"on this machine only; on each machine run `accelerate launch --config_file {accelerate_config} "
+                "--machine_rank R -m distill.train [flags]` (README: Using it), without --accelerate_config"
+            )
+        num_processes = num_processes or file_processes or 1
+        check_num_processes(num_processes)
+        return _relaunch(num_processes, argv, accelerate_config)
+    if num_processes is None or num_processes == world:
+        return None
+    if world > 1 or os.environ.get(RELAUNCHED):
+        raise DistillError(
+            f"--num_processes {num_processes} disagrees with the {world} processes this run was launched with; "
+            "drop --num_processes or launch with the same number"
+        )
+    check_num_processes(num_processes)
+    if num_processes == 1:
+        return None
+    return _relaunch(num_processes, argv, accelerate_config)
+
+
+def _relaunch(num_processes: int, argv: list[str], accelerate_config: str | None) -> int:
+    if not torch.cuda.is_available() and num_processes > 1:
+        print(
+            f"distill: no CUDA GPU here: running {num_processes} CPU processes (gloo). This checks the "
+            "distributed path but brings no speed-up over one process.",
+            file=sys.stderr,
+        )
+    command, env = relaunch_command(num_processes, argv, accelerate_config)
+    # If this process is killed, `accelerate launch` gets SIGTERM and passes it to its ranks (which checkpoint).
+    # A Ctrl-C reaches `accelerate launch` too (same process group), which passes it on as SIGINT: this process
+    # only waits for it, rather than killing it on KeyboardInterrupt (its ranks would then stop as on SIGTERM).
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return subprocess.call(command, env=env, preexec_fn=_launcher_child)
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def _launcher_child() -> None:
+    """In the relaunched `accelerate launch`, before exec: parent-death signal armed, Ctrl-C not ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # an ignored signal would stay ignored across exec
+    arm_parent_death_signal()
+
+
+def join_group_of_this_attempt(timeout: timedelta) -> bool:
+    """Form the process group in a store namespace of this restart attempt when torchelastic shares its store.
+
+    Under `--max_restarts`, torchelastic keeps one TCPStore for every attempt (the agent's, always with the
+    static rendezvous, by default with c10d) and hands it to the workers without a per-attempt prefix
+    (pytorch/pytorch#135712). A restarted group then reads the addresses its killed predecessors left there
+    and hangs in gloo's or NCCL's connect. Prefixing the store with the attempt number gives each attempt
+    its own keys; Accelerate then finds the group formed and uses it. Returns whether it formed the group.
+    Multi-node elastic runs with the c10d rendezvous should also export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    (each node counts its own restarts, so attempt numbers can differ between nodes; see the README).
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) <= 0:
+        return False
+    world = world_size()
+    if dist.is_initialized() or world <= 1:
+        return False
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False, timeout=timeout)
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    use_cuda = torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU")  # Accelerate's own rule
+    if use_cuda:
+        torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo",
+        store=dist.PrefixStore(f"distill/attempt-{attempt}", store),
+        rank=rank(),
+        world_size=world,
+        timeout=timeout,
+    )
+    return True
+
+
+# The relative similarity loss's (scores x scores) matrices take about 50 bytes per entry, (batch**2)**2 entries
+# (3 Matryoshka dims, forward and backward, measured on CPU: +117 MiB at 32, +823 MiB and 2.9 s a step at 64).
+RESIM_MAX_GLOBAL_BATCH = 64
+
+
+def make_accelerator(config: Config, resuming: bool = False) -> Accelerator:
+    """The Accelerator of this process: precision, accumulation, torch.compile, DDP's gradient compression, trackers.
+
+    `resuming`: the run continues an earlier one, so the trackers append to its logs.
+    """
+    t = config.training
+    check_precision(t.mixed_precision)
+    world = world_size()
+    global_batch = t.batch_size * world
+    if t.resim_weight and global_batch > RESIM_MAX_GLOBAL_BATCH:
+        # it compares every two of the global batch's (queries x passages) scores: (batch**2)**2 entries
+        raise DistillError(
+            f"resim_weight: the relative similarity loss compares every two of the {global_batch}x{global_batch} "
+            f"query-passage scores of the global batch (batch_size x processes), about "
+            f"{50 * global_batch**4 / 2**30:.1f} GiB a step; keep batch_size x processes <= {RESIM_MAX_GLOBAL_BATCH} "
+            "or pass --resim_weight 0"
+        )
+    if world > 1 and not torch.cuda.is_available():
+        # Launched as several processes on a machine without CUDA: without this, accelerate (1.x) makes each
+        # process train alone; with it they form one gloo group (DistributedType.MULTI_CPU).
+        os.environ["ACCELERATE_USE_CPU"] = "true"
+        if t.ddp_comm_hook == "bf16":  # PyTorch refuses the bf16 hook without CUDA and NCCL >= 2.10
+            raise DistillError(
+                "ddp_comm_hook bf16 needs CUDA GPUs (NCCL); these processes run on CPUs over gloo, "
+                "so drop --ddp_comm_hook or pass --ddp_comm_hook fp16"
+            )
+    timeout = timedelta(seconds=config.launch.ddp_timeout)
+    join_group_of_this_attempt(timeout)  # only under torchelastic restarts; Accelerate forms the group otherwise
+    handlers: list = [InitProcessGroupKwargs(timeout=timeout)]
+    if t.ddp_comm_hook != "none":  # registered when Accelerate wraps the model in DDP; one process has no DDP
+        handlers.append(DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType(t.ddp_comm_hook)))
+    names = [n.strip() for n in config.output.log_with.split(",") if n.strip() and n.strip() != "none"]
+    return Accelerator(
+        log_with=resolve_trackers(names, config.output.output_dir, resuming) or None,
+        project_dir=config.output.output_dir,
+        mixed_precision=t.mixed_precision,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        dataloader_config=DataLoaderConfiguration(split_batches=True),  # global batches, split over processes
+        kwargs_handlers=handlers,
+        # without --torch_compile, None: the dynamo settings of the accelerate config, if any
+        dynamo_plugin=compile_plugin(t.torch_compile_backend) if t.torch_compile else None,
+    )
+
+
+def check_precision(mixed_precision: str | None) -> None:
+    """fp16 needs CUDA, whether the flag or the launcher asks for it."""
+    # without the flag, the precision `accelerate launch` passes on (its --mixed_precision or its config file)
+    from_launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if (mixed_precision or from_launcher) == "fp16" and not torch.cuda.is_available():
+        if mixed_precision:
+            raise DistillError("mixed_precision fp16 needs a CUDA GPU; use bf16 or no on a CPU")
+        # Accelerate would take it and train in float32 without a word
+        raise DistillError(
+            "mixed_precision fp16 (from accelerate launch: its --mixed_precision or the accelerate config) needs a "
+            "CUDA GPU; pass --mixed_precision bf16 or no, or set mixed_precision to bf16 or no in the accelerate config"
+        )
+
+
+def compile_plugin(backend: str) -> TorchDynamoPlugin:
+    """torch.compile as Accelerate applies it in `prepare`: regional, with dynamic shapes.
+
+    Regional compilation compiles the repeated transformer layer once and reuses the graph for the others,
+    so compiling takes seconds rather than minutes. Shapes are dynamic because padded lengths change from
+    batch to batch; left unset, `accelerate launch` passes its `--dynamo_use_dynamic` default (False), and
+    every new length recompiles until dynamo's recompile limit (8) makes the rest run uncompiled.
+    With mixed_precision no on CUDA, Accelerate also turns on TF32 matmuls whenever a backend is set.
+    """
+    return TorchDynamoPlugin(backend=backend, use_regional_compilation=True, dynamic=True)
+
+
+def main_decides(accelerator: Accelerator, decide: Callable[[], T]) -> T:
+    """`decide()` on the main process; every process returns its value, or raises the DistillError it raised.
+
+    The value travels by pickle (`broadcast_object_list`): the same array or verdict everywhere, even where
+    linear algebra or a view of a shared folder would differ from machine to machine.
+    """
+    outcome: list = [None]  # (value, error message or None)
+    if accelerator.is_main_process:
+        try:
+            outcome[0] = (decide(), None)
+        except DistillError as e:
+            outcome[0] = (None, str(e))
+    if accelerator.num_processes > 1:
+        broadcast_object_list(outcome)
+    value, problem = outcome[0]
+    if problem is not None:
+        raise DistillError(problem)
+    return value
+
+
+def everyone(accelerator: Accelerator, flag: bool) -> bool:
+    """Whether `flag` holds on every process (one process: whether it does)."""
+    return smallest(accelerator, int(flag)) == 1
+
+
+def smallest(accelerator: Accelerator, value: int) -> int:
+    """The smallest of every process's `value` (one gather; one process: its own)."""
+    if accelerator.num_processes == 1:
+        return value
+    values = accelerator.gather(torch.tensor([value], dtype=torch.int64, device=accelerator.device))
+    return int(values.min())
+
+
+def on_main_process(accelerator: Accelerator, write: Callable[[], T]) -> T | None:
+    """`write()` on the main process only, then a barrier: for the leaf writers (results, reports, exports)."""
+    value = write() if accelerator.is_main_process else None
+    accelerator.wait_for_everyone()
+    return value
+
+
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo's words
+
+
+def lost_a_peer(error: BaseException) -> str | None:
+    """The first sentence of a collective's error when another process of the job died under it, else None.
+
+    gloo raises a plain RuntimeError ("[.../pair.cc:553] Connection closed by peer [10.0.0.2]:29500. This is
+    typically caused by a remote worker crashing ..."); NCCL and the store raise torch.distributed.DistError.
+    """
+    if world_size() < 2 or not isinstance(error, (RuntimeError, torch.distributed.DistError)):
+        return None
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if not isinstance(error, torch.distributed.DistError) and not any(words in text for words in PEER_GONE):
+        return None
+    return first_sentences(re.sub(r"^\[[^\]]*\]\s*", "", text), 1, 200)  # without gloo's [source file:line]

@@ -1,0 +1,33 @@
+"""Small file helpers every stage shares: atomic writes and JSON reads."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from distill.errors import DistillError
+
+
+def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """`write(staging)` fills a hidden temporary file that is then renamed to `path`: all of it or nothing."""
+    staging = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    try:
+        write(staging)
+        os.replace(staging, path)
+    except OSError as e:
+        staging.unlink(missing_ok=True)
+        raise DistillError(f"cannot write {path} ({e.strerror or e}); make the output_dir writable") from None
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    write_atomic(path, lambda staging: staging.write_text(json.dumps(payload, indent=2, default=str)))
+
+
+def read_json(path: Path) -> dict:
+    """The JSON object in `path`, or {} when there is no such file."""
+    return json.loads(path.read_text()) if path.is_file() else {}

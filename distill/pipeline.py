@@ -1,0 +1,182 @@
+"""The distillation pipeline, stage by stage:
+
+    texts -> teacher embeddings -> student -> phase 1 -> phase 2 -> evaluation -> export
+
+1. data: phase-1 texts, phase-2 (query, passage) pairs, the held-out evaluation set    (data.py)
+2. teacher: embeddings of every text, sharded over processes, cached by content        (teacher.py, cache.py)
+3. student: loaded, pruned, projection or basis fitted on the teacher's vectors        (student.py)
+4. baseline: the teacher and the untrained student evaluated                           (evaluation.py)
+5. phases: phase 1 aligns the student with the teacher's vectors on general text;      (phases.py, loop.py)
+   phase 2 distils the teacher's in-batch query/passage similarities
+6. export: SentenceTransformer folder(s), results.json and the report                 (export.py, report.py)
+
+`run(config)` is what `python -m distill.train` calls on every process, and what a Python user calls too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import set_seed
+
+from distill.allocator import heap_allocator, release_freed_memory
+from distill.checkpoint import PHASES, TrainingState, resume_requested, resume_state
+from distill.config import Config, to_flat_dict
+from distill.data import DistillData, load_data
+from distill.distributed import make_accelerator
+from distill.errors import OutOfMemory
+from distill.evaluation import EvalInputs, PhaseEvaluation, eval_inputs, evaluate_student, evaluate_teacher
+from distill.export import export_models
+from distill.loop import CheckpointSettings, train_phase, training_memory_message
+from distill.phases import Phase, check_phase_sizes, make_phases
+from distill.report import check_output_dir, prepare_output_dir, results_table, write_results
+from distill.results import PhaseFigures, RunResults
+from distill.student import DistillationModel, build_student, check_declared_dimensions
+from distill.teacher import TeacherVectors, embed_with_teacher
+from distill.tracking import tracker_config
+
+logger = get_logger(__name__)
+
+
+def run(config: Config) -> RunResults:
+    """The whole pipeline on this process (one of the launched ones). Returns the run's results."""
+    resuming = resume_requested(config)
+    accelerator = make_accelerator(config, resuming)
+    set_seed(config.training.seed)
+    check_output_dir(accelerator, config.output.output_dir, fresh=not resuming)
+    phases = make_phases(config, accelerator.num_processes)
+    state, resume = resume_state(accelerator, config)
+
+    check_declared_dimensions(config.model)  # before any encoding: a wrong pairing fails in seconds
+    data = load_data(config.data, config.training.seed, *(name in [p.name for p in phases] for name in PHASES))
+    check_phase_sizes(phases, data, config.training.batch_size, accelerator.num_processes)
+    teacher = embed_with_teacher(accelerator, config, data)
+    model, dims, basis = build_student(accelerator, config, teacher.dim, *teacher.fit_sample(data))
+    evaluation = eval_inputs(model.student, data, teacher.evaluation, basis)
+    output_dir = prepare_output_dir(accelerator, config)  # inputs are valid: from here on the run writes
+    accelerator.init_trackers("distill", config=tracker_config(config))
+
+    evaluate_baseline(accelerator, config, model, state, evaluation, dims)
+    for phase in phases:
+        if resume is not None and PHASES.index(phase.name) < PHASES.index(state.phase):
+            continue  # finished before the checkpoint; its figures are in the checkpoint's results
+        phase.use_student(dims, basis)
+        evaluations = None
+        if evaluation is not None:
+            evaluations = PhaseEvaluation(accelerator, config, evaluation, dims, phase.name, state, output_dir)
+        resumed = resume if phase.name == state.phase else None
+        model = train_stage(accelerator, config, model, phase, data, teacher, state, evaluations, resumed)
+        record_phase(state, phase, teacher, model, evaluations, final=phase is phases[-1])
+        resume = None
+    return finish(accelerator, config, model, state, teacher, output_dir, evaluation is not None)
+
+
+def evaluate_baseline(
+    accelerator: Accelerator,
+    config: Config,
+    model: DistillationModel,
+    state: TrainingState,
+    evaluation: EvalInputs | None,
+    dims: list[int] | None,
+) -> None:
+    """The results start (a resumed run's come from its checkpoint): the teacher and the untrained student scored."""
+    results = state.results  # checkpoints carry the evaluations made so far
+    results.mode = results.mode or ("projection" if model.projection is not None else "matryoshka")
+    results.world_size = accelerator.num_processes
+    results.heap_allocator = heap_allocator()
+    if accelerator.device.type == "cpu" and results.heap_allocator == "glibc":
+        logger.warning(
+            "heap allocator: glibc malloc, whose peak memory creeps up with the steps on a CPU; for a flat peak "
+            "install libtcmalloc-minimal4 and launch through make or run_ddp.sh (see distill/allocator.py)",
+            main_process_only=True,
+        )
+    if evaluation is not None and results.teacher is None:
+        results.teacher = evaluate_teacher(evaluation)
+        results.student_before = evaluate_student(accelerator, model, evaluation, 2 * config.training.batch_size, dims)
+
+
+def train_stage(
+    accelerator: Accelerator,
+    config: Config,
+    model: DistillationModel,
+    phase: Phase,
+    data: DistillData,
+    teacher: TeacherVectors,
+    state: TrainingState,
+    evaluations: PhaseEvaluation | None,
+    resume: Path | None,
+) -> DistillationModel:
+    """One phase trained from its start, or from the checkpoint `resume`; returns the trained model."""
+    loader = phase.loader(model.student, data, teacher)
+    checkpoints = CheckpointSettings(
+        Path(config.output.output_dir).expanduser(),
+        config.checkpoint.checkpoint_steps,
+        config.checkpoint.checkpoints_total_limit,
+    )
+    periodic = evaluations.periodic if evaluations is not None else None
+    try:
+        model = train_phase(
+            accelerator, model, phase, loader, state, checkpoints, resume, periodic, config.checkpoint.eval_steps
+        )
+    except torch.OutOfMemoryError as e:  # evaluation halves its batches itself: this is a training step
+        message = training_memory_message(config, phase.name, state, accelerator.mixed_precision, e)
+        raise OutOfMemory(message) from None
+    release_freed_memory()
+    return model
+
+
+def record_phase(
+    state: TrainingState,
+    phase: Phase,
+    teacher: TeacherVectors,
+    model: DistillationModel,
+    evaluations: PhaseEvaluation | None,
+    final: bool,
+) -> None:
+    """The phase's figures into the results, and its end-of-phase evaluation (`final`: the run's last phase)."""
+    results = state.results
+    results.phases[phase.name] = PhaseFigures(
+        teacher_seconds=round(teacher.seconds[phase.name], 3),
+        train_seconds=round(state.train_seconds, 3),
+        train_samples=state.train_samples,
+        optimizer_steps=state.optimizer_steps,
+        samples_per_second=round(state.train_samples / max(state.train_seconds, 1e-9), 2),
+        final_loss=state.losses[-1] if state.losses else None,
+        losses=list(state.losses),
+    )
+    if evaluations is not None:
+        metrics = evaluations.final(model, state.optimizer_steps)
+        if final:
+            results.student_after = metrics
+        else:
+            results.after_phase1 = metrics
+
+
+def finish(
+    accelerator: Accelerator,
+    config: Config,
+    model: DistillationModel,
+    state: TrainingState,
+    teacher: TeacherVectors,
+    output_dir: Path,
+    evaluated: bool,
+) -> RunResults:
+    """The export stage: the model folder(s), results.json and the report; the table printed."""
+    results = state.results
+    if evaluated:  # the evaluation rows, once, at the run's last step
+        accelerator.log(results.tracked_scalars(), step=state.global_step())
+    results.teacher_loaded = teacher.loaded
+    results.teacher_load_seconds = round(teacher.load_seconds, 3)
+    results.teacher_seconds_evaluation = round(teacher.seconds["evaluation"], 3)
+    table = results_table(results.to_dict()) if evaluated else "(no evaluation set)"
+    if config.output.save_to_artifacts:
+        results.exported = export_models(accelerator, model, config.output.artifacts_dir, to_flat_dict(config), table)
+    results.config = to_flat_dict(config)
+    path = write_results(accelerator, output_dir, results)
+    accelerator.print(f"\n{table}\n\nresults: {path}")
+    accelerator.wait_for_everyone()  # the group is torn down by all ranks together, not while rank 0 still writes
+    accelerator.end_training()
+    return results
