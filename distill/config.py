@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import math
 import os
+import sys
 import types
 import typing
 from collections.abc import Callable
@@ -484,27 +485,66 @@ class _Parser(argparse.ArgumentParser):
         raise DistillError(f"{message}; {hint}")
 
 
+# --help's topics: a config section each, the training section split into its losses and its performance knobs.
+HELP_GROUPS = {
+    "model": "models",
+    "data": "data",
+    "phase1": "phase 1: alignment on general text",
+    "phase2": "phase 2: query/passage similarity distillation",
+    "training": "training",
+    "losses": "losses",
+    "performance": "performance",
+    "output": "outputs",
+    "checkpoint": "checkpoints and evaluation",
+    "launch": "launch",
+}
+LOSS_FIELDS = (
+    "temperature cosine_weight mse_weight kl_weight kl_memory_steps phase1_kl_weight resim_weight resim_margin "
+    "matryoshka_full_teacher_similarity"
+).split()
+PERFORMANCE_FIELDS = (
+    "teacher_batch_size mixed_precision pad_to_multiple_of forward_chunks gradient_checkpointing torch_compile "
+    "torch_compile_backend ddp_comm_hook"
+).split()
+
+
+def _help_group(leaf: _Leaf) -> str:
+    if leaf.section == "training" and leaf.name in LOSS_FIELDS:
+        return "losses"
+    if leaf.section == "training" and leaf.name in PERFORMANCE_FIELDS:
+        return "performance"
+    return leaf.section
+
+
+def command_name() -> str:
+    """The command as the user called it: `distill-train`, or `python -m distill.train`."""
+    return "distill-train" if Path(sys.argv[0]).name == "distill-train" else "python -m distill.train"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The flag parser; every default is suppressed so only flags the user typed override the YAML."""
+    """The flag parser, grouped by topic; every default is suppressed so only flags the user typed override the YAML."""
     parser = _Parser(
-        prog="python -m distill.train",
+        prog=command_name(),
+        usage="%(prog)s [--config FILE] [--FLAG VALUE ...]",
         description="Distill a text-embedding teacher into a small SentenceTransformer student, in two phases.",
         argument_default=argparse.SUPPRESS,
         allow_abbrev=False,
     )
     parser.add_argument("--config", metavar="FILE", help="YAML file of flag-named keys; flags override it.")
+    groups = {key: parser.add_argument_group(title) for key, title in HELP_GROUPS.items()}
     defaults = Config()
     for leaf in LEAVES:
         default = getattr(getattr(defaults, leaf.section), leaf.name)
         # a help text that already says its default (in words: "default: all") is not given a second one
         helptext = leaf.help if "default" in leaf.help else f"{leaf.help} (default: {default})"
+        group = groups[_help_group(leaf)]
         if _base_type(leaf.type) is bool:
             # `--skip_phase1` alone means True; `--skip_phase1 False` is accepted too.
-            parser.add_argument(f"--{leaf.flag}", nargs="?", const="True", metavar="BOOL", help=helptext)
+            group.add_argument(f"--{leaf.flag}", nargs="?", const="True", metavar="BOOL", help=helptext)
         elif typing.get_origin(_base_type(leaf.type)) is list:  # `64,32` and `64 32` alike
-            parser.add_argument(f"--{leaf.flag}", nargs="+", metavar="DIM", help=helptext)
+            group.add_argument(f"--{leaf.flag}", nargs="+", metavar="DIM", help=helptext)
         else:
-            parser.add_argument(f"--{leaf.flag}", metavar=_metavar(leaf), help=helptext)
+            group.add_argument(f"--{leaf.flag}", metavar=_metavar(leaf), help=helptext)
     return parser
 
 

@@ -51,7 +51,8 @@ def run(config: Config) -> RunResults:
     state, resume = resume_state(accelerator, config)
 
     check_declared_dimensions(config.model)  # before any encoding: a wrong pairing fails in seconds
-    data = load_data(config.data, config.training.seed, *(name in [p.name for p in phases] for name in PHASES))
+    trained = {phase.name for phase in phases}
+    data = load_data(config.data, config.training.seed, "phase1" in trained, "phase2" in trained)
     check_phase_sizes(phases, data, config.training.batch_size, accelerator.num_processes)
     teacher = embed_with_teacher(accelerator, config, data)
     model, dims, basis = build_student(accelerator, config, teacher.dim, *teacher.fit_sample(data))

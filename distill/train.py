@@ -17,19 +17,17 @@ import os
 import sys
 import time
 
-import torch
-from accelerate.logging import get_logger
-
-from distill.config import load_config
-from distill.distributed import is_first_rank, lost_a_peer, maybe_relaunch, rank, stop_with_the_launcher, world_size
+from distill.config import Config, load_config
 from distill.errors import DistillError, TrainingStopped
-from distill.signals import release_stop_signals
 
-logger = get_logger(__name__)
+# torch, accelerate and the model libraries are imported once the flags are read: --help and a bad flag answer
+# in well under a second, and a process that only relaunches itself never loads sentence-transformers.
 
 
 def _quiet_libraries() -> None:
     import transformers
+
+    from distill.distributed import is_first_rank
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
@@ -41,23 +39,32 @@ def main(argv: list[str] | None = None) -> int:
     """Run distill with `argv` (default: the command line); returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        config = load_config(argv)
-        code = maybe_relaunch(config.launch.num_processes, argv, config.launch.accelerate_config)
-        if code is not None:
-            return code
-        stop_with_the_launcher()
-        _quiet_libraries()
-        from distill.pipeline import run  # the models' libraries: only in a process that trains
+        return train(load_config(argv), argv)
+    except DistillError as e:  # a bad input, or a stop on purpose (TrainingStopped)
+        return report(e)
+    finally:
+        signals = sys.modules.get("distill.signals")
+        if signals is not None:  # training began: Ctrl-C interrupts at once again
+            signals.release_stop_signals()
 
-        started = time.perf_counter()
+
+def train(config: Config, argv: list[str]) -> int:
+    """Relaunch on N processes if asked, else run the pipeline on this process; the exit code."""
+    from accelerate.logging import get_logger
+
+    from distill.distributed import is_first_rank, lost_a_peer, maybe_relaunch, stop_with_the_launcher
+
+    code = maybe_relaunch(config.launch.num_processes, argv, config.launch.accelerate_config)
+    if code is not None:
+        return code
+    stop_with_the_launcher()
+    _quiet_libraries()
+    from distill.pipeline import run  # the models' libraries: only in a process that trains
+
+    started = time.perf_counter()
+    try:
         run(config)
-        logger.info(f"done in {time.perf_counter() - started:.1f}s", main_process_only=True)
-        return 0
-    except TrainingStopped as e:
-        if is_first_rank():
-            print(f"distill: {e}", file=sys.stderr)
-        return e.exit_code
-    except (RuntimeError, torch.distributed.DistError) as e:
+    except RuntimeError as e:  # torch.distributed.DistError is one
         lost = lost_a_peer(e)
         if lost is None:
             raise
@@ -68,16 +75,25 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
         return 1
-    except DistillError as e:
-        if e.every_rank:  # its own problem, said by every rank that met it, on a line of its own
-            label = f"[rank {rank()}] " if world_size() > 1 else ""
-            newline = "" if is_first_rank() else "\n"  # not after rank 0's progress bar
-            print(f"{newline}error: {label}{e}", file=sys.stderr)
-        elif is_first_rank():  # one line from one process, not one per rank
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        release_stop_signals()  # training is over: Ctrl-C interrupts at once again
+    get_logger(__name__).info(f"done in {time.perf_counter() - started:.1f}s", main_process_only=True)
+    return 0
+
+
+def report(error: DistillError) -> int:
+    """Say why the run stopped, once for the job (or by each rank, for a problem of its own); the exit code."""
+    from distill.distributed import is_first_rank, rank, world_size
+
+    if isinstance(error, TrainingStopped):
+        if is_first_rank():
+            print(f"distill: {error}", file=sys.stderr)
+        return error.exit_code
+    if error.every_rank:  # its own problem, said by every rank that met it, on a line of its own
+        label = f"[rank {rank()}] " if world_size() > 1 else ""
+        newline = "" if is_first_rank() else "\n"  # not after rank 0's progress bar
+        print(f"{newline}error: {label}{error}", file=sys.stderr)
+    elif is_first_rank():  # one line from one process, not one per rank
+        print(f"error: {error}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

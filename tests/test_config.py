@@ -467,3 +467,34 @@ def test_an_empty_prompt_means_no_prompt_not_the_teachers_own(flag: str, tmp_pat
     path.write_text(f'{flag}: ""\n')
     assert getattr(load_config(["--config", str(path)]).model, flag) == ""
     assert load_config(["--max_seq_length", ""]).model.max_seq_length is None  # other flags: "" is still unset
+
+
+def test_help_is_grouped_by_topic_and_loads_no_model_library():
+    """`--help` answers before torch, accelerate or sentence-transformers are imported, one section per topic."""
+    import subprocess
+    import sys
+
+    from distill.config import HELP_GROUPS
+
+    code = (
+        "import sys\nfrom distill.train import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'accelerate', 'sentence_transformers') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: python -m distill.train [--config FILE] [--FLAG VALUE ...]\n")
+    assert done.stdout.rstrip().endswith("[]")  # none of them
+    headings = [line[:-1] for line in done.stdout.splitlines() if line and not line[0].isspace() and line[-1] == ":"]
+    assert headings == ["options", *HELP_GROUPS.values()]
+    assert "--temperature" in done.stdout.split("\nlosses:\n")[1].split("\nperformance:\n")[0]
+
+
+def test_the_usage_line_names_the_console_script(monkeypatch):
+    import sys
+
+    from distill.config import build_parser
+
+    monkeypatch.setattr(sys, "argv", ["/usr/local/bin/distill-train"])
+    assert build_parser().format_usage().startswith("usage: distill-train [--config FILE]")
+    monkeypatch.setattr(sys, "argv", ["/repo/distill/train.py"])  # python -m distill.train, accelerate launch
+    assert build_parser().format_usage().startswith("usage: python -m distill.train [--config FILE]")

@@ -463,21 +463,21 @@ def test_train_seconds_leave_out_evaluations_and_checkpoints(tiny_models, tiny_d
 
 
 def test_mined_hard_negatives_join_phase_two_without_re_encoding(tiny_models, tiny_data, tmp_path, monkeypatch):
-    import distill.teacher as train_module
+    import distill.teacher as teacher_module
 
     devices, events = [], []
 
-    def mine(*args, real=train_module.mine_hard_negatives, **kwargs):
+    def mine(*args, real=teacher_module.mine_hard_negatives, **kwargs):
         devices.append(kwargs.get("device"))
         events.append("mine")
         return real(*args, **kwargs)
 
-    def release(cache, real=train_module.TeacherCache.release):
+    def release(cache, real=teacher_module.TeacherCache.release):
         events.append("release teacher")
         return real(cache)
 
-    monkeypatch.setattr(train_module, "mine_hard_negatives", mine)
-    monkeypatch.setattr(train_module.TeacherCache, "release", release)
+    monkeypatch.setattr(teacher_module, "mine_hard_negatives", mine)
+    monkeypatch.setattr(teacher_module.TeacherCache, "release", release)
     out = tmp_path / "mined"
     pairs = tmp_path / "pairs.jsonl"  # the tiny pairs without their negative column
     rows = [json.loads(line) for line in Path(tiny_data["pairs"]).read_text().splitlines()]
@@ -495,22 +495,22 @@ def test_mined_hard_negatives_join_phase_two_without_re_encoding(tiny_models, ti
 
 
 def test_mining_that_runs_out_of_device_memory_goes_on_on_the_cpu(monkeypatch):
-    import distill.teacher as train_module
+    import distill.teacher as teacher_module
 
     devices = []
 
-    def mine(*args, real=train_module.mine_hard_negatives, **kwargs):
+    def mine(*args, real=teacher_module.mine_hard_negatives, **kwargs):
         devices.append(str(kwargs["device"]))
         if kwargs["device"] != "cpu":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.81 GiB")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(train_module, "mine_hard_negatives", mine)
+    monkeypatch.setattr(teacher_module, "mine_hard_negatives", mine)
     PartialState(cpu=True)  # the warning goes through Accelerate's logger
     vectors = torch.nn.functional.normalize(torch.randn(12, 8), dim=1).numpy().astype(np.float16)
     config = SimpleNamespace(data=SimpleNamespace(mine_hard_negatives=3))
     texts = [f"passage {i}" for i in range(12)]
-    mined = train_module.mined_negatives(SimpleNamespace(device="cuda:0"), config, texts, vectors, vectors)
+    mined = teacher_module.mined_negatives(SimpleNamespace(device="cuda:0"), config, texts, vectors, vectors)
     assert devices == ["cuda:0", "cpu"]
     assert mined.shape == (12, 3) and not (mined == np.arange(12)[:, None]).any()  # never the own positive
 
@@ -534,10 +534,10 @@ def test_teacher_batch_size_sets_the_teachers_batches_only(tiny_models, tiny_dat
 
 def test_topic_clusters_shape_phase_two_batches_only(tiny_models, tiny_data, tmp_path, monkeypatch):
     import distill.phases as phases_module
-    import distill.teacher as train_module
+    import distill.teacher as teacher_module
 
     clustered, loaders = [], []
-    real_clusters, real_loader = train_module.topic_clusters, phases_module.make_loader
+    real_clusters, real_loader = teacher_module.topic_clusters, phases_module.make_loader
 
     def spy_clusters(vectors, size, seed):
         labels = real_clusters(vectors, size, seed)
@@ -548,7 +548,7 @@ def test_topic_clusters_shape_phase_two_batches_only(tiny_models, tiny_data, tmp
         loaders.append((len(lengths), topics))
         return real_loader(lengths, global_batch, seed, collate, topics)
 
-    monkeypatch.setattr(train_module, "topic_clusters", spy_clusters)
+    monkeypatch.setattr(teacher_module, "topic_clusters", spy_clusters)
     monkeypatch.setattr(phases_module, "make_loader", spy_loader)
     out = tmp_path / "topics"
     assert main(tiny_run_flags(tiny_models, tiny_data, out, topic_cluster_size=16)) == 0
