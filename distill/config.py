@@ -370,6 +370,14 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    # Not settings (no flag, not dumped): the keys the --config file set and no flag overrode, and a warning line for
+    # each of them that a flag made irrelevant and that was dropped (`drop_inherited`).
+    inherited: frozenset[str] = field(default=frozenset(), repr=False, compare=False, metadata={"section": False})
+    dropped: tuple[str, ...] = field(default=(), repr=False, compare=False, metadata={"section": False})
+
+
+def _sections() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(Config) if f.metadata.get("section", True)]
 
 
 @dataclass(frozen=True)
@@ -386,7 +394,7 @@ class _Leaf:
 def _leaves() -> list[_Leaf]:
     """Every configurable field, in declaration order, with its flat flag name."""
     leaves = []
-    for section in dataclasses.fields(Config):
+    for section in _sections():
         section_type = typing.get_type_hints(Config)[section.name]
         hints = typing.get_type_hints(section_type)
         for f in dataclasses.fields(section_type):
@@ -399,7 +407,7 @@ def _leaves() -> list[_Leaf]:
 
 LEAVES = _leaves()
 FLAGS = {leaf.flag: leaf for leaf in LEAVES}
-SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
+SECTIONS = tuple(f.name for f in _sections())
 
 
 def _base_type(tp: Any) -> Any:
@@ -573,10 +581,11 @@ def load_config(argv: list[str] | None = None) -> Config:
             values.update(read_yaml(config_file))
         except DistillError as e:
             problems.append(str(e))
-    for key, value in vars(args).items():
-        if key != "config":
-            values[key] = ",".join(value) if isinstance(value, list) else value  # a list flag's `64 32`
-    return build_config(values, problems)
+    typed = {key for key in vars(args) if key != "config"}
+    for key in typed:
+        value = getattr(args, key)
+        values[key] = ",".join(value) if isinstance(value, list) else value  # a list flag's `64 32`
+    return build_config(values, problems, inherited=set(values) - typed, typed=typed)
 
 
 def unknown_arguments(unknown: list[str]) -> list[str]:
@@ -619,10 +628,17 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
-def build_config(values: dict[str, Any], problems: list[str] | None = None) -> Config:
+def build_config(
+    values: dict[str, Any],
+    problems: list[str] | None = None,
+    inherited: set[str] | None = None,
+    typed: set[str] | None = None,
+) -> Config:
     """Apply flat flag-named values on top of the defaults and validate the result.
 
     `problems`: ones found before (unknown flags, an unreadable YAML), reported with the rest in one error.
+    `inherited`, `typed`: the keys that came from the --config file and from the command line; a file's key that a
+    typed flag makes irrelevant is dropped, with a warning line in `Config.dropped` (`drop_inherited`).
     """
     config = Config()
     problems = list(problems or [])
@@ -638,6 +654,8 @@ def build_config(values: dict[str, Any], problems: list[str] | None = None) -> C
             setattr(getattr(config, leaf.section), leaf.name, _convert(leaf, value))
         except DistillError as e:
             problems.append(str(e))
+    config.dropped = tuple(drop_inherited(config, inherited or set(), typed or set()))
+    config.inherited = frozenset(inherited or ())
     problems += validate(config)
     if problems:
         raise DistillError("; ".join(problems))
@@ -665,52 +683,94 @@ def validate(config: Config) -> list[str]:
         problem = leaf.check.problem(leaf.flag, value) if leaf.check else None
         if problem:
             problems.append(problem)
-    return problems + [message for applies, message in _contradictions(config) if applies]
+    return problems + [c.message for c in _contradictions(config) if c.applies]
 
 
-def _contradictions(config: Config) -> list[tuple[bool, str]]:
-    """(whether it applies, its message) for each pair of settings that cannot go together."""
+class Contradiction(typing.NamedTuple):
+    """Two settings that cannot go together: `key` stops applying when one of `others` is set as it is."""
+
+    key: str
+    others: tuple[str, ...]
+    applies: bool
+    message: str
+
+
+def _contradictions(config: Config) -> list[Contradiction]:
+    """Each pair of settings that cannot go together, whether it applies to `config`, and its message."""
     data, training, checkpoint = config.data, config.training, config.checkpoint
     accelerate_config = config.launch.accelerate_config
     # without periodic evaluations each phase has one candidate, the model exported anyway: nothing to keep
     keep_best_why = "eval_data is none" if data.eval_data == "none" else "eval_steps is 0 (only phase ends)"
     keep_best_fix = "--eval_steps N and an --eval_data" if data.eval_data == "none" else "--eval_steps N"
     return [
-        (
+        Contradiction(
+            "embedded_pairs_per_paragraph",
+            ("phase2_data",),
             data.embedded_pairs_per_paragraph > 1 and data.phase2_data != "embedded",
             "embedded_pairs_per_paragraph: only the embedded phase-2 data is built from paragraphs; "
             "drop the flag or pass --phase2_data embedded",
         ),
-        (
+        Contradiction(
+            "embedded_lee_background",
+            ("phase1_data",),
             data.embedded_lee_background and data.phase1_data != "embedded",
             "embedded_lee_background: the Lee background sentences are added to the embedded phase-1 data only; "
             "drop the flag or pass --phase1_data embedded",
         ),
-        (
+        Contradiction(
+            "projection_warmup_steps",
+            ("use_projection",),
             training.projection_warmup_steps > 0 and not config.model.use_projection,
             "projection_warmup_steps: there is no projection to warm up in Matryoshka mode; "
             "pass --use_projection True or drop --projection_warmup_steps",
         ),
-        (
+        Contradiction(
+            "keep_best",
+            ("eval_data", "eval_steps"),
             checkpoint.keep_best and (data.eval_data == "none" or checkpoint.eval_steps == 0),
             f"keep_best: keeps the best of the evaluations every --eval_steps steps, but {keep_best_why}; pass "
             f"{keep_best_fix} or drop --keep_best",
         ),
-        (
+        Contradiction(
+            "accelerate_config",
+            (),
             accelerate_config is not None and not Path(accelerate_config).expanduser().is_file(),
             f"accelerate_config: {accelerate_config!r} does not exist; pass one of accelerate_configs/*.yaml "
             "or a file written by `accelerate config`",
         ),
-        (
+        Contradiction(
+            "matryoshka_dims",
+            ("use_projection",),
             config.model.matryoshka_dims is not None and config.model.use_projection,
             "matryoshka_dims: projection mode trains no Matryoshka dimensions; "
             "pass --use_projection False or drop --matryoshka_dims",
         ),
-        (
+        Contradiction(
+            "skip_phase1",
+            (),
             training.skip_phase1 and training.skip_phase2,
             "skip_phase1 and skip_phase2 are both set: nothing would be trained; drop one of them",
         ),
     ]
+
+
+def drop_inherited(config: Config, inherited: set[str], typed: set[str]) -> list[str]:
+    """Settings from the --config file that a flag on the command line made irrelevant, reset to their defaults.
+
+    A key the file sets stops applying when a flag changes what it applies to (the demo's embedded_lee_background
+    under --phase1_data my.txt): it is dropped, not an error. Only what the user typed can contradict. Returns a
+    warning line for each key dropped.
+    """
+    warnings = []
+    defaults = Config()
+    for contradiction in _contradictions(config):
+        key = contradiction.key
+        if contradiction.applies and key in inherited and any(other in typed for other in contradiction.others):
+            leaf = FLAGS[key]
+            setattr(getattr(config, leaf.section), leaf.name, getattr(getattr(defaults, leaf.section), leaf.name))
+            reason = contradiction.message.split("; ")[0].removeprefix(f"{key}: ")
+            warnings.append(f"{key} from --config is ignored: {reason}")
+    return warnings
 
 
 def to_flat_dict(config: Config) -> dict[str, Any]:

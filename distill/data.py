@@ -70,10 +70,21 @@ class DistillData:
     evaluation: EvalSet | None
 
 
-def load_data(config: DataConfig, seed: int, need_phase1: bool = True, need_phase2: bool = True) -> DistillData:
-    """Everything the run trains and evaluates on, cleaned and capped."""
+def load_data(
+    config: DataConfig,
+    seed: int,
+    need_phase1: bool = True,
+    need_phase2: bool = True,
+    inherited: frozenset[str] = frozenset(),
+) -> DistillData:
+    """Everything the run trains and evaluates on, cleaned and capped.
+
+    `inherited`: the settings a --config file gave and no flag overrode (`Config.inherited`).
+    """
+    # the file's embedded_lee_background gives way to a --max_samples_phase1 typed too small to reach the Lee texts
+    lee_optional = "embedded_lee_background" in inherited and "max_samples_phase1" not in inherited
     phase1 = (
-        load_phase1_texts(config.phase1_data, config.max_samples_phase1, config.embedded_lee_background)
+        load_phase1_texts(config.phase1_data, config.max_samples_phase1, config.embedded_lee_background, lee_optional)
         if need_phase1
         else []
     )
@@ -100,13 +111,26 @@ def load_data(config: DataConfig, seed: int, need_phase1: bool = True, need_phas
     return DistillData(phase1, phase2, evaluation)
 
 
-def load_phase1_texts(source: str, max_samples: int, lee_background: bool = False) -> list[str]:
+def load_phase1_texts(
+    source: str, max_samples: int, lee_background: bool = False, lee_optional: bool = False
+) -> list[str]:
+    """Phase 1's texts from `source`, cleaned, at most `max_samples`.
+
+    `lee_background`: the embedded Wikipedia sentences are followed by the Lee background ones. A cap that leaves
+    no room for them is an error, or with `lee_optional` (the setting came from a config file) a warning.
+    """
     raw: Iterable[Any]
     if source == EMBEDDED:
         texts = embedded.wikipedia_sentences(embedded.train_articles())
         if lee_background:
             wikipedia = len(_normalized_unique(texts)[0])  # counted here, cleaned once with the Lee sentences below
-            if max_samples <= wikipedia:
+            if max_samples <= wikipedia and lee_optional:
+                logger.warning(
+                    f"embedded_lee_background from --config is ignored: max_samples_phase1 {max_samples} keeps only "
+                    f"embedded Wikipedia sentences (there are {wikipedia}), which come first",
+                    main_process_only=True,
+                )
+            elif max_samples <= wikipedia:
                 raise DistillError(
                     f"embedded_lee_background: max_samples_phase1 {max_samples} is not above the {wikipedia} "
                     "embedded Wikipedia sentences, which come first, so no Lee background sentence would be "

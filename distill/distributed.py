@@ -86,6 +86,12 @@ def is_first_rank() -> bool:
     return rank() == 0
 
 
+def speaks_for_the_job() -> bool:
+    """Whether this process says what is said once before training: the first rank, unless distill relaunched it
+    (then the process that relaunched it has said it already)."""
+    return is_first_rank() and not os.environ.get(RELAUNCHED)
+
+
 def elastic_restart() -> bool:
     """Whether torchelastic restarted this group after a failure (`--max_restarts`)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0

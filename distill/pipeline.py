@@ -52,7 +52,7 @@ def run(config: Config) -> RunResults:
 
     check_declared_dimensions(config.model)  # before any encoding: a wrong pairing fails in seconds
     trained = {phase.name for phase in phases}
-    data = load_data(config.data, config.training.seed, "phase1" in trained, "phase2" in trained)
+    data = load_data(config.data, config.training.seed, "phase1" in trained, "phase2" in trained, config.inherited)
     check_phase_sizes(phases, data, config.training.batch_size, accelerator.num_processes)
     teacher = embed_with_teacher(accelerator, config, data)
     model, dims, basis = build_student(accelerator, config, teacher.dim, *teacher.fit_sample(data))

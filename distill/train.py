@@ -52,8 +52,17 @@ def train(config: Config, argv: list[str]) -> int:
     """Relaunch on N processes if asked, else run the pipeline on this process; the exit code."""
     from accelerate.logging import get_logger
 
-    from distill.distributed import is_first_rank, lost_a_peer, maybe_relaunch, stop_with_the_launcher
+    from distill.distributed import (
+        is_first_rank,
+        lost_a_peer,
+        maybe_relaunch,
+        speaks_for_the_job,
+        stop_with_the_launcher,
+    )
 
+    if speaks_for_the_job():  # settings of the --config file that a flag made irrelevant
+        for warning in config.dropped:
+            print(f"warning: {warning}", file=sys.stderr)
     code = maybe_relaunch(config.launch.num_processes, argv, config.launch.accelerate_config)
     if code is not None:
         return code

@@ -451,7 +451,9 @@ def test_help_lists_every_flag() -> None:
 
 
 def test_every_leaf_field_has_a_flag_and_help() -> None:
-    count = sum(len(dataclasses.fields(getattr(Config(), section.name))) for section in dataclasses.fields(Config))
+    sections = [name for name in config_module.SECTIONS]
+    assert sections == [f.name for f in dataclasses.fields(Config) if f.name not in ("inherited", "dropped")]
+    count = sum(len(dataclasses.fields(getattr(Config(), name))) for name in sections)
     assert len(config_module.FLAGS) == count  # flat names are unique across sections
     for leaf in config_module.LEAVES:
         assert leaf.help, leaf.flag
@@ -498,3 +500,27 @@ def test_the_usage_line_names_the_console_script(monkeypatch):
     assert build_parser().format_usage().startswith("usage: distill-train [--config FILE]")
     monkeypatch.setattr(sys, "argv", ["/repo/distill/train.py"])  # python -m distill.train, accelerate launch
     assert build_parser().format_usage().startswith("usage: python -m distill.train [--config FILE]")
+
+
+def test_a_config_files_setting_that_a_flag_makes_irrelevant_is_dropped_with_a_warning(tmp_path):
+    """`--config configs/demo.yaml --phase1_data my.txt` runs: the file's embedded_lee_background no longer applies."""
+    from distill.config import load_config
+
+    repo = Path(__file__).resolve().parents[1]
+    texts = tmp_path / "my.txt"
+    texts.write_text("one text.\nanother text.\n")
+    config = load_config(["--config", str(repo / "configs" / "demo.yaml"), "--phase1_data", str(texts)])
+    assert not config.data.embedded_lee_background and config.data.phase1_data == str(texts)
+    assert config.dropped == (
+        "embedded_lee_background from --config is ignored: the Lee background sentences are added to the "
+        "embedded phase-1 data only",
+    )
+    # typed on the command line, it is a contradiction; written in the file next to its own phase1_data, too
+    with pytest.raises(DistillError, match="embedded_lee_background: the Lee background sentences"):
+        load_config(
+            ["--config", str(repo / "configs" / "demo.yaml"), "--phase1_data", str(texts), "--embedded_lee_background"]
+        )
+    own = tmp_path / "own.yaml"
+    own.write_text(f"phase1_data: {texts}\nembedded_lee_background: true\nteacher_model: t\nstudent_model: s\n")
+    with pytest.raises(DistillError, match="embedded_lee_background: the Lee background sentences"):
+        load_config(["--config", str(own)])

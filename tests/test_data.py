@@ -25,6 +25,8 @@ from distill.data import (
 )
 from distill.errors import DistillError
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 @pytest.fixture(autouse=True)
 def accelerate_state() -> Iterator[None]:
@@ -393,6 +395,22 @@ def test_embedded_lee_background_comes_after_the_wikipedia_sentences() -> None:
     assert load_phase1_texts("embedded", len(wikipedia) + 5, lee_background=True) == both[: len(wikipedia) + 5]
     with pytest.raises(DistillError, match=rf"max_samples_phase1 {len(wikipedia)} is not above the {len(wikipedia)} "):
         load_phase1_texts("embedded", len(wikipedia), lee_background=True)
+
+
+def test_a_config_files_lee_background_gives_way_to_a_typed_cap(caplog: pytest.LogCaptureFixture) -> None:
+    """`--config configs/demo.yaml --max_samples_phase1 128`: the file's Lee sentences no longer fit; a warning."""
+    from distill.config import load_config
+    from distill.data import load_data
+
+    config = load_config(["--config", str(REPO / "configs" / "demo.yaml"), "--max_samples_phase1", "128"])
+    assert config.data.embedded_lee_background and "embedded_lee_background" in config.inherited
+    with caplog.at_level("WARNING"):
+        data = load_data(config.data, 42, need_phase2=False, inherited=config.inherited)
+    assert data.phase1_texts == load_phase1_texts("embedded", 128)  # the first 128 Wikipedia sentences
+    (warning,) = [r.getMessage() for r in caplog.records if "embedded_lee_background" in r.getMessage()]
+    assert "max_samples_phase1 128 keeps only embedded Wikipedia sentences" in warning
+    with pytest.raises(DistillError, match="max_samples_phase1 128 is not above"):  # typed too: a contradiction
+        load_data(config.data, 42, need_phase2=False, inherited=config.inherited - {"embedded_lee_background"})
 
 
 def test_embedded_eval_set_points_at_the_right_passages() -> None:

@@ -1023,3 +1023,19 @@ def test_a_failed_report_does_not_fail_the_trained_run(tiny_models, tiny_data, t
     assert "| ndcg@10 |" in report and "student_after" in report
     assert "report.png" not in report and not (out / "report.png").exists()
     assert '"student_after/ndcg@10"' in (out / "metrics.jsonl").read_text()
+
+
+def test_a_config_files_setting_that_a_flag_makes_irrelevant_is_said_once_and_the_run_goes_on(
+    tiny_models, tiny_data, tmp_path, capsys
+):
+    config = tmp_path / "inherited.yaml"
+    config.write_text("phase1_data: embedded\nembedded_lee_background: true\n")  # a demo-like file
+    out = tmp_path / "inherited"
+    flags = tiny_run_flags(tiny_models, tiny_data, out, skip_phase2=True)  # types --phase1_data
+    assert main(["--config", str(config), *flags]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert warnings == [
+        "warning: embedded_lee_background from --config is ignored: the Lee background sentences are added to the "
+        "embedded phase-1 data only"
+    ]
+    assert results_of(out)["config"]["embedded_lee_background"] is False
