@@ -27,6 +27,7 @@ from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
 
 from distill.batching import Phase1Batches, Phase2Batches, TokenizedTexts, assemble_chunks, make_loader
+from distill.checkpoint import PHASES as PHASE_ORDER
 from distill.config import Config
 from distill.data import DistillData, passage_texts
 from distill.errors import DistillError
@@ -38,8 +39,6 @@ if TYPE_CHECKING:
     from distill.teacher import TeacherVectors
 
 logger = get_logger(__name__)
-
-PHASE_NAMES = ("phase1", "phase2")
 
 
 @dataclass
@@ -70,10 +69,9 @@ def scaled_lr(lr: float, scaling: str, num_processes: int) -> float:
     return lr
 
 
-def phase_settings(
-    config: Config, name: str, world: int, dims: list[int] | None, basis: np.ndarray | None = None
-) -> PhaseSettings:
-    """`name`'s settings from the config, for `world` processes."""
+def phase_settings(config: Config, name: str, world: int) -> PhaseSettings:
+    """`name`'s settings from the config, for `world` processes; the student's dims and basis come with
+    `Phase.use_student`."""
     phase_config = getattr(config, name)
     t = config.training
     return PhaseSettings(
@@ -93,10 +91,9 @@ def phase_settings(
             resim=t.resim_weight,
             resim_margin=t.resim_margin,
         ),
-        matryoshka_dims=dims,
+        matryoshka_dims=None,
         projection_lr_scale=t.projection_lr_scale,
         backbone_frozen_steps=t.projection_warmup_steps if name == "phase1" and config.model.use_projection else 0,
-        teacher_basis=None if basis is None else torch.from_numpy(basis),
         kl_memory_steps=t.kl_memory_steps,
         ema_decay=t.ema_decay,
     )
@@ -118,7 +115,7 @@ class Phase:
 
     def __init__(self, config: Config, world: int):
         self.config, self.world = config, world
-        self.settings = phase_settings(config, self.name, world, None)
+        self.settings = phase_settings(config, self.name, world)
 
     def use_student(self, dims: list[int] | None, basis: np.ndarray | None) -> None:
         """The student's Matryoshka dims and the teacher basis it is trained in (see `build_student`)."""
@@ -272,7 +269,7 @@ PHASES: dict[str, type[Phase]] = {"phase1": AlignmentPhase, "phase2": Similarity
 
 def make_phases(config: Config, world: int) -> list[Phase]:
     """The phases this run trains, in order (a phase is left out by --skip_phase1 / --skip_phase2)."""
-    return [PHASES[name](config, world) for name in PHASE_NAMES if not getattr(config.training, f"skip_{name}")]
+    return [PHASES[name](config, world) for name in PHASE_ORDER if not getattr(config.training, f"skip_{name}")]
 
 
 def check_phase_sizes(phases: list[Phase], data: DistillData, batch_size: int, world: int) -> None:
