@@ -318,6 +318,12 @@ class OutputConfig:
         default=str(Path(os.environ.get("DISTILL_CACHE", "~/.cache/distill")).expanduser() / "teacher"),
         help="Cache of teacher embeddings, keyed by content.",
     )
+    efficiency_texts: int = _opt(
+        check=NON_NEGATIVE,
+        default=256,
+        help="The teacher's and the student's encoding speed is measured on N evaluation passages at the end of a "
+        "run (results.json's efficiency block, the report, the model card); 0: not measured.",
+    )
 
 
 @dataclass

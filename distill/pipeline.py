@@ -8,7 +8,8 @@
 4. baseline: the teacher and the untrained student evaluated                           (evaluation.py)
 5. phases: phase 1 aligns the student with the teacher's vectors on general text;      (phases.py, loop.py)
    phase 2 distils the teacher's in-batch query/passage similarities
-6. export: SentenceTransformer folder(s), results.json and the report                 (export.py, report.py)
+6. cost: the teacher's and the student's size and encoding speed on this device       (efficiency.py)
+7. export: SentenceTransformer folder(s), results.json and the report                 (export.py, report.py)
 
 `run(config)` is what `python -m distill.train` calls on every process, and what a Python user calls too.
 """
@@ -26,10 +27,11 @@ from distill.allocator import heap_allocator, release_freed_memory
 from distill.checkpoint import PHASES, TrainingState, resume_requested, resume_state
 from distill.config import Config, to_flat_dict
 from distill.data import DistillData, load_data
-from distill.distributed import make_accelerator
+from distill.distributed import main_decides, make_accelerator
+from distill.efficiency import CostTexts, cost_table, folder_bytes, measure_student, trade_off_line
 from distill.errors import OutOfMemory
 from distill.evaluation import EvalInputs, PhaseEvaluation, eval_inputs, evaluate_student, evaluate_teacher
-from distill.export import export_models
+from distill.export import deployable_model, export_models
 from distill.loop import CheckpointSettings, train_phase, training_memory_message
 from distill.phases import Phase, check_phase_sizes, make_phases
 from distill.report import check_output_dir, prepare_output_dir, results_table, write_results
@@ -54,7 +56,8 @@ def run(config: Config) -> RunResults:
     trained = {phase.name for phase in phases}
     data = load_data(config.data, config.training.seed, "phase1" in trained, "phase2" in trained, config.inherited)
     check_phase_sizes(phases, data, config.training.batch_size, accelerator.num_processes)
-    teacher = embed_with_teacher(accelerator, config, data)
+    costs = CostTexts.from_data(data, config.output.efficiency_texts, config.training.batch_size, config.training.seed)
+    teacher = embed_with_teacher(accelerator, config, data, costs)
     model, dims, basis = build_student(accelerator, config, teacher.dim, *teacher.fit_sample(data))
     evaluation = eval_inputs(model.student, data, teacher.evaluation, basis)
     output_dir = prepare_output_dir(accelerator, config)  # inputs are valid: from here on the run writes
@@ -72,7 +75,7 @@ def run(config: Config) -> RunResults:
         model = train_stage(accelerator, config, model, phase, data, teacher, state, evaluations, resumed)
         record_phase(state, phase, teacher, model, evaluations, final=phase is phases[-1])
         resume = None
-    return finish(accelerator, config, model, state, teacher, output_dir, evaluation is not None)
+    return finish(accelerator, config, model, state, teacher, output_dir, evaluation is not None, costs)
 
 
 def evaluate_baseline(
@@ -164,20 +167,31 @@ def finish(
     teacher: TeacherVectors,
     output_dir: Path,
     evaluated: bool,
+    costs: CostTexts | None = None,
 ) -> RunResults:
-    """The export stage: the model folder(s), results.json and the report; the table printed."""
+    """The cost and export stages: what the student saves, the model folder(s), results.json and the report."""
     results = state.results
     if evaluated:  # the evaluation rows, once, at the run's last step
         accelerator.log(results.tracked_scalars(), step=state.global_step())
     results.teacher_loaded = teacher.loaded
     results.teacher_load_seconds = round(teacher.load_seconds, 3)
     results.teacher_seconds_evaluation = round(teacher.seconds["evaluation"], 3)
+    efficiency = None
+    if costs is not None:
+        efficiency = measure_student(accelerator, deployable_model(model), teacher.cost, costs)
+        results.efficiency = efficiency.to_dict()
     table = results_table(results.to_dict()) if evaluated else "(no evaluation set)"
+    trade_off = trade_off_line(results.to_dict())
     if config.output.save_to_artifacts:
-        results.exported = export_models(accelerator, model, config.output.artifacts_dir, to_flat_dict(config), table)
+        card = "\n\n".join(filter(None, [table, trade_off, cost_table(results.to_dict())]))
+        exported = export_models(accelerator, model, config.output.artifacts_dir, to_flat_dict(config), card)
+        results.exported = exported
+        if efficiency is not None:
+            efficiency.exported_bytes = main_decides(accelerator, lambda: folder_bytes(exported["model"]))
+            results.efficiency = efficiency.to_dict()
     results.config = to_flat_dict(config)
     path = write_results(accelerator, output_dir, results)
-    accelerator.print(f"\n{table}\n\nresults: {path}")
+    accelerator.print(f"\n{table}\n" + (f"\n{trade_off}\n" if trade_off else "") + f"\nresults: {path}")
     accelerator.wait_for_everyone()  # the group is torn down by all ranks together, not while rank 0 still writes
     accelerator.end_training()
     return results

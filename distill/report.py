@@ -14,6 +14,7 @@ from accelerate import Accelerator
 from distill.checkpoint import checkpoint_root, list_checkpoints
 from distill.config import Config, dump_config
 from distill.distributed import main_decides, on_main_process
+from distill.efficiency import cost_table, trade_off_line
 from distill.errors import DistillError
 from distill.files import write_atomic, write_json_atomic
 from distill.results import ROWS, RunResults
@@ -177,6 +178,12 @@ def report_markdown(results: dict, image_name: str | None = "report.png") -> str
             lines += ["", kept_line]
     else:
         lines.append("(no evaluation set)")
+    costs = cost_table(results)
+    if costs:
+        lines += ["", "## Cost", ""]
+        trade_off = trade_off_line(results)
+        lines += [trade_off, ""] if trade_off else []
+        lines.append(costs)
     history = evaluations_table(results)
     if history:
         lines += ["", "## Evaluations during training (`--eval_steps`)", "", history]
@@ -192,17 +199,19 @@ def report_markdown(results: dict, image_name: str | None = "report.png") -> str
 
 
 def report_figure(results: dict) -> Figure:
-    """The three-panel figure: loss per optimizer step, metric bars per model state, nDCG@10 per Matryoshka dim."""
+    """The four-panel figure: loss per optimizer step, metric bars per model state, nDCG@10 per Matryoshka dim,
+    and quality against encoding throughput (teacher, student before and after, each Matryoshka width)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     # A bare Figure on the Agg canvas: no pyplot, so no global backend switch and no figure left open.
-    figure = Figure(figsize=(19, 5.6), layout="constrained")
+    figure = Figure(figsize=(24, 5.6), layout="constrained")
     FigureCanvasAgg(figure)
-    loss_axes, metric_axes, matryoshka_axes = figure.subplots(1, 3, width_ratios=(1.25, 1.0, 0.85))
-    _plot_losses(loss_axes, results.get("phases") or {}, results.get("evaluations") or {})
-    _plot_metrics(metric_axes, results)
-    _plot_matryoshka(matryoshka_axes, results)
+    panels = figure.subplots(1, 4, width_ratios=(1.25, 1.0, 0.85, 0.9))
+    _plot_losses(panels[0], results.get("phases") or {}, results.get("evaluations") or {})
+    _plot_metrics(panels[1], results)
+    _plot_matryoshka(panels[2], results)
+    _plot_trade_off(panels[3], results)
     figure.suptitle(f"Distillation report: {_run_description(results)}", fontsize=14)
     return figure
 
@@ -357,3 +366,35 @@ def _plot_matryoshka(axes: Axes, results: dict) -> None:
     axes.margins(x=0.08, y=0.15)  # room for the value labels at the first and last dimension
     axes.grid(alpha=0.3)
     axes.legend(loc="lower right", fontsize=9)
+
+
+def _plot_trade_off(axes: Axes, results: dict) -> None:
+    """nDCG@10 against texts/s on the measuring device: what the student keeps, and what it gains in speed."""
+    axes.set_title("(d) quality against encoding speed")
+    efficiency = results.get("efficiency") or {}
+    student = efficiency.get("student")
+    points = []  # (label, texts/s, nDCG@10, color)
+    teacher_cost, teacher_score = efficiency.get("teacher"), (results.get("teacher") or {}).get("ndcg@10")
+    if teacher_cost and teacher_score is not None:
+        points.append(("teacher", teacher_cost["texts_per_second"], teacher_score, "C0"))
+    if student:
+        for row, color in (("student_before", "C1"), ("student_after", "C3")):
+            score = (results.get(row) or {}).get("ndcg@10")
+            if score is not None:
+                points.append((ROW_LABELS[row], student["texts_per_second"], score, color))
+        widths = (results.get("student_after") or {}).get("matryoshka_ndcg@10") or {}
+        for dim, score in sorted(((int(d), v) for d, v in widths.items()), reverse=True):
+            if dim != student["dim"]:
+                points.append((f"first {dim} dims", student["texts_per_second"], score, "C2"))
+    if not points:
+        _no_data(axes, "no cost measured (--efficiency_texts 0)" if not student else "no evaluation set")
+        return
+    for label, speed, score, color in points:
+        axes.scatter([speed], [score], s=60, color=color, zorder=3)
+        axes.annotate(f"{label} ({score:.3f})", (speed, score), xytext=(7, -3), textcoords="offset points", fontsize=9)
+    speeds = [speed for _, speed, _, _ in points]
+    axes.set_xlim(0, max(speeds) * 1.6)  # room for the labels at the right of the fastest points
+    axes.margins(y=0.15)
+    axes.set_xlabel(f"texts/s, batch {efficiency.get('batch_size')}, on {efficiency.get('device', '?')}", fontsize=9)
+    axes.set_ylabel("nDCG@10")
+    axes.grid(alpha=0.3)

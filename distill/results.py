@@ -40,6 +40,7 @@ class RunResults:
     teacher_load_seconds: float | None = None
     teacher_seconds_evaluation: float | None = None
     exported: dict[str, str] | None = None  # folder name -> path
+    efficiency: dict[str, Any] | None = None  # efficiency.Efficiency.to_dict(): the teacher's and student's costs
     config: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from distill.cache import CACHE_FORMAT, CacheWriter, Role, read_entry, touch
 from distill.config import Config, ModelConfig
 from distill.data import DistillData, passage_texts
 from distill.distributed import everyone, main_decides, smallest
+from distill.efficiency import CostTexts, ModelCost, TeacherCosts, device_label, measure
 from distill.errors import DistillError
 from distill.evaluation import EvalVectors
 from distill.files import read_json
@@ -380,6 +381,29 @@ class TeacherCache:
     def loaded(self) -> bool:
         return self.teacher is not None
 
+    def cost(self, texts: CostTexts) -> ModelCost:
+        """The teacher's size and speed on this device: kept figures, else measured (loading it on this process)."""
+        costs = TeacherCosts(self.cache_dir, self.key(texts.passages, "document"), device_label(self.device), texts)
+        cost = costs.get()
+        if cost is None:
+            teacher = self.teacher or self._load_here()
+            folder = self.spec.path if Path(self.spec.path).is_dir() else None
+            cost = measure(teacher, texts, folder, self.spec.prompt("query"), self.spec.prompt("document"))
+            costs.put(cost)
+        return cost
+
+    def _load_here(self) -> SentenceTransformer:
+        """The teacher on this process alone (no barrier), as `_load` sets it up, not kept."""
+        spec = self.spec
+        teacher = load_teacher(spec.path, self.device, spec.revision, spec.trust_remote_code, spec.compute_dtype)
+        if spec.max_seq_length:
+            teacher.max_seq_length = spec.max_seq_length
+        return teacher
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
     def release(self) -> None:
         """Free the teacher's memory before the student trains."""
         self.teacher = None
@@ -479,6 +503,7 @@ class TeacherVectors:
     seconds: dict[str, float]  # teacher time spent per phase (0 on a warm cache), loading included
     loaded: bool  # whether any teacher model was loaded at all
     load_seconds: float  # the part of `seconds` spent loading the teacher (0 when not loaded)
+    cost: ModelCost | None = None  # its size and speed on the main process's device (efficiency.py)
 
     def fit_sample(self, data: DistillData) -> tuple[list[str], np.ndarray | None]:
         """Texts and teacher vectors a projection or basis is fitted on: phase 1's, else phase 2's passages."""
@@ -494,8 +519,15 @@ class TeacherVectors:
         raise DistillError("nothing to distill: both phases are skipped and there is no evaluation set")
 
 
-def embed_with_teacher(accelerator: Accelerator, config: Config, data: DistillData) -> TeacherVectors:
-    """The teacher stage: every text the run needs, through the teacher cache; the teacher is freed afterwards."""
+def embed_with_teacher(
+    accelerator: Accelerator, config: Config, data: DistillData, cost_texts: CostTexts | None = None
+) -> TeacherVectors:
+    """The teacher stage: every text the run needs, through the teacher cache; the teacher is freed afterwards.
+
+    With `cost_texts`, the teacher's size and speed are measured too (efficiency.py): while it is loaded, or
+    from the figures kept beside the cache for this device, or, with neither, by loading it once on the main
+    process.
+    """
     cache = TeacherCache(
         accelerator,
         TeacherSpec.from_config(config.model, accelerator.device),
@@ -527,12 +559,18 @@ def embed_with_teacher(accelerator: Accelerator, config: Config, data: DistillDa
         )
     seconds["evaluation"] = cache.seconds - seconds["phase1"] - seconds["phase2"]
     loaded = cache.loaded
+    cost = None
+    if cost_texts is not None:
+        cache.key(cost_texts.passages, "document")  # collective the first time: on every process, not inside
+        cost = main_decides(accelerator, lambda: cache.cost(cost_texts))
     cache.release()
     release_freed_memory()  # the teacher's freed weights and activations go back to the OS
     if rows is not None and config.data.mine_hard_negatives and rows.shape[1] == 1:  # the data brings none
         # after the teacher is gone: on a GPU the search needs the device memory the teacher held
         rows = np.concatenate([rows, mined_negatives(accelerator, config, texts, queries, passages)], axis=1)
-    return TeacherVectors(phase1, queries, passages, rows, topics, evaluation, seconds, loaded, cache.load_seconds)
+    return TeacherVectors(
+        phase1, queries, passages, rows, topics, evaluation, seconds, loaded, cache.load_seconds, cost
+    )
 
 
 def mined_negatives(

@@ -25,6 +25,7 @@ from conftest import build_tiny_decoder, reset_accelerate, tiny_run_flags
 from distill.allocator import heap_allocator
 from distill.config import load_config
 from distill.data import load_data
+from distill.efficiency import trade_off_line
 from distill.errors import DistillError
 from distill.train import main
 
@@ -136,7 +137,20 @@ def test_tiny_run_projection_mode_end_to_end(tiny_models, tiny_data, tmp_path, c
     assert vectors.shape == (2, 48)
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
     assert student.encode(["a river"]).shape == (1, 32)
-    assert "## Evaluation" in (out / "artifacts" / "model" / "README.md").read_text()
+    card = (out / "artifacts" / "model" / "README.md").read_text()
+    assert "## Evaluation" in card
+    # the cost stage: both models measured on this CPU; the exported folder's size; the same line everywhere
+    efficiency = results["efficiency"]
+    assert efficiency["student"]["parameters"] == sum(p.numel() for p in model.parameters())
+    assert efficiency["student"]["dim"] == 48 and efficiency["teacher"]["dim"] == 48  # projected to the teacher's
+    assert efficiency["teacher"]["parameters"] == sum(
+        p.numel() for p in SentenceTransformer(str(tiny_models["teacher"]), device="cpu").parameters()
+    )
+    files = [f for f in (out / "artifacts" / "model").rglob("*") if f.is_file()]
+    assert efficiency["exported_bytes"] == sum(f.stat().st_size for f in files)
+    assert 0 < efficiency["texts"] <= 256 and efficiency["latency_repeats"] == 16  # max_eval_queries 16
+    line = trade_off_line(results)
+    assert line and line in card and line in (out / "report.md").read_text()
     assert_sentence_transformers_evaluators_agree(flags, model, results["student_after"])
 
 
@@ -184,6 +198,8 @@ def test_second_run_reuses_the_teacher_cache_without_loading_the_teacher(tiny_mo
     assert warm["teacher_load_seconds"] == 0
     assert all(p["teacher_seconds"] == 0 for p in warm["phases"].values())
     assert warm["teacher"] == results_of(tmp_path / "a")["teacher"]
+    # the teacher's cost, measured while the cold run had it loaded, is read back from beside the cache
+    assert warm["efficiency"]["teacher"] == cold["efficiency"]["teacher"]
 
 
 def test_matryoshka_mode_trains_truncated_dims(tiny_models, tiny_data, tmp_path):

@@ -1,0 +1,273 @@
+"""The cost stage: what the student saves against the teacher, measured on the run's own device.
+
+Both models encode the same texts with the same batch size through sentence-transformers' `encode` (the
+path users deploy), after a warm-up:
+
+- parameters, output dimension and the bytes of their weights (for the student, what the exported folder's
+  weight files hold; for the teacher, its weight files, or its tensors where it has no local folder);
+- throughput: texts per second over `efficiency_texts` evaluation passages, batch `batch_size`;
+- latency: the median over LATENCY_REPEATS single-query `encode` calls.
+
+The main process measures, the others wait; with several machines the figures are those of the main
+process's device, and they say which device that is. The teacher is measured while the teacher stage has it
+loaded, and its figures are kept beside the teacher cache, so a warm run does not load the teacher again; a
+run that finds no record for its device loads the teacher once to measure it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from accelerate import Accelerator
+
+from distill.distributed import main_decides
+from distill.errors import DistillError
+from distill.files import read_json, write_json_atomic
+
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
+
+    from distill.data import DistillData
+
+logger = logging.getLogger(__name__)
+
+LATENCY_REPEATS = 50  # single-query encodes; the median is reported
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+COSTS_FILE = "costs.json"  # the teacher's measured figures, beside the teacher cache's entries
+
+
+@dataclass
+class ModelCost:
+    """What one model costs to run: its size, and how fast it encodes on the measuring device."""
+
+    parameters: int
+    dim: int
+    weights_bytes: int
+    texts_per_second: float
+    latency_ms: float  # median of LATENCY_REPEATS single-text encodes
+
+
+@dataclass(frozen=True)
+class CostTexts:
+    """What both models encode: a seeded sample of passages (throughput) and of queries (latency)."""
+
+    passages: list[str]
+    queries: list[str]
+    batch_size: int
+
+    @classmethod
+    def from_data(cls, data: DistillData, count: int, batch_size: int, seed: int) -> CostTexts | None:
+        """Evaluation passages and queries (else training texts); None when `count` is 0 (not measured)."""
+        if count <= 0:
+            return None
+        if data.evaluation is not None:
+            passages, queries = data.evaluation.corpus, data.evaluation.queries
+        elif data.phase1_texts:
+            passages = queries = data.phase1_texts
+        else:
+            passages, queries = data.phase2.passages, data.phase2.queries
+        pick = random.Random(seed)
+        return cls(
+            pick.sample(passages, min(count, len(passages))),
+            pick.sample(queries, min(LATENCY_REPEATS, len(queries))),
+            batch_size,
+        )
+
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256(json.dumps([self.passages, self.queries, self.batch_size]).encode())
+        return digest.hexdigest()[:16]
+
+
+def device_label(device: torch.device) -> str:
+    """The measuring device in words: the GPU's name, or the CPU's model and the threads torch uses."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} ({device})"
+    return f"{cpu_model()} (CPU, {torch.get_num_threads()} threads)"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def weights_bytes(model: torch.nn.Module, folder: str | os.PathLike | None = None) -> int:
+    """Bytes of `folder`'s weight files where it is a local folder that has some, else of the model's tensors."""
+    if folder is not None and Path(folder).is_dir():
+        files = [p for p in Path(folder).rglob("*") if p.suffix in WEIGHT_SUFFIXES and p.is_file()]
+        if files:
+            return sum(p.stat().st_size for p in files)
+    tensors = list(model.state_dict().values())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def folder_bytes(folder: str | os.PathLike) -> int:
+    """Every file under `folder`: what the exported model takes on disk."""
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
+
+
+def measure(
+    model: SentenceTransformer,
+    texts: CostTexts,
+    folder: str | os.PathLike | None = None,
+    query_prompt: str = "",
+    document_prompt: str = "",
+) -> ModelCost:
+    """`model`'s size and encoding speed on its own device (see the module docstring); prompts as it is deployed."""
+    encode_kwargs: dict[str, Any] = {"batch_size": texts.batch_size, "show_progress_bar": False}
+    passages = dict(encode_kwargs, prompt=document_prompt or None)
+    model.encode(texts.passages[: texts.batch_size], **passages)  # warm-up: kernels, allocator, caches
+    started = time.perf_counter()
+    vectors = model.encode(texts.passages, **passages)  # numpy out: the device has finished
+    seconds = time.perf_counter() - started
+    latencies = []
+    for query in texts.queries:
+        started = time.perf_counter()
+        model.encode([query], **encode_kwargs, prompt=query_prompt or None)
+        latencies.append(time.perf_counter() - started)
+    return ModelCost(
+        parameters=sum(p.numel() for p in model.parameters()),
+        dim=int(vectors.shape[1]),
+        weights_bytes=weights_bytes(model, folder),
+        texts_per_second=round(len(texts.passages) / max(seconds, 1e-9), 1),
+        latency_ms=round(1000 * statistics.median(latencies), 2),
+    )
+
+
+class TeacherCosts:
+    """The teacher's measured figures, kept in the teacher cache folder per (teacher, device, texts)."""
+
+    def __init__(self, cache_dir: str | os.PathLike, teacher_key: str, device: str, texts: CostTexts):
+        self.path = Path(cache_dir).expanduser() / COSTS_FILE
+        fields = {"teacher": teacher_key, "device": device, "texts": texts.fingerprint(), "torch": torch.__version__}
+        self.key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
+
+    def get(self) -> ModelCost | None:
+        try:
+            record = read_json(self.path).get(self.key)
+            return ModelCost(**record) if record else None
+        except (OSError, ValueError, TypeError, AttributeError):  # unreadable, or another format: measure again
+            return None
+
+    def put(self, cost: ModelCost) -> None:
+        """Keep `cost`; a cache folder that cannot take it is a warning (the run has its figures either way)."""
+        try:
+            records = read_json(self.path)
+        except (OSError, ValueError):
+            records = {}
+        records[self.key] = asdict(cost)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.path, records)
+        except (OSError, DistillError) as e:
+            logger.warning(f"the teacher's measured costs are not kept in {self.path} ({e})")
+
+
+@dataclass
+class Efficiency:
+    """The `efficiency` block of results.json: both models' costs on one device, and the Matryoshka widths."""
+
+    device: str
+    texts: int
+    batch_size: int
+    latency_repeats: int
+    student: ModelCost
+    teacher: ModelCost | None
+    exported_bytes: int | None = None  # the whole exported folder (weights, tokenizer, config)
+
+    def to_dict(self) -> dict[str, Any]:
+        values = asdict(self)
+        if self.teacher is not None:
+            values["ratios"] = self.ratios()
+        return {k: v for k, v in values.items() if v is not None}
+
+    def ratios(self) -> dict[str, float]:
+        """Student against teacher: throughput as a speed-up; parameters, weights and latency as fractions."""
+        assert self.teacher is not None
+        t, s = self.teacher, self.student
+        return {
+            "throughput": round(s.texts_per_second / max(t.texts_per_second, 1e-9), 2),
+            "latency": round(s.latency_ms / max(t.latency_ms, 1e-9), 2),
+            "parameters": round(s.parameters / max(t.parameters, 1), 2),
+            "weights": round(s.weights_bytes / max(t.weights_bytes, 1), 2),
+        }
+
+
+def measure_student(
+    accelerator: Accelerator, student: SentenceTransformer, teacher: ModelCost | None, texts: CostTexts
+) -> Efficiency:
+    """The deployable student measured on the main process (the others wait), beside the teacher's figures."""
+    cost = main_decides(accelerator, lambda: measure(student, texts))
+    return Efficiency(
+        device=device_label(accelerator.device),
+        texts=len(texts.passages),
+        batch_size=texts.batch_size,
+        latency_repeats=len(texts.queries),
+        student=cost,
+        teacher=teacher,
+    )
+
+
+def trade_off_line(results: dict) -> str | None:
+    """One sentence a user can quote: the share of the teacher's nDCG@10 kept, and at what cost. None if unknown."""
+    efficiency = results.get("efficiency") or {}
+    ratios = efficiency.get("ratios")
+    teacher = (results.get("teacher") or {}).get("ndcg@10")
+    student = (results.get("student_after") or {}).get("ndcg@10")
+    if not ratios or not teacher or student is None:
+        return None
+    return (
+        f"The student keeps {100 * student / teacher:.1f}% of the teacher's nDCG@10 at "
+        f"{ratios['throughput']:.1f}x its throughput and {ratios['parameters']:.2f}x its parameters, "
+        f"on {efficiency['device']}."
+    )
+
+
+def cost_table(results: dict) -> str:
+    """A Markdown table: teacher, student and each Matryoshka width, with quality and cost side by side."""
+    efficiency = results.get("efficiency") or {}
+    if not efficiency:
+        return ""
+    header = "| model | dim | nDCG@10 | texts/s | one query (ms) | parameters | weights (MB) |"
+    lines = [header, "|---|---:|---:|---:|---:|---:|---:|"]
+    for row, label in (("teacher", "teacher"), ("student", "student")):
+        cost = efficiency.get(row)
+        if not cost:
+            continue
+        ndcg = (results.get("teacher" if row == "teacher" else "student_after") or {}).get("ndcg@10")
+        lines.append(
+            f"| {label} | {cost['dim']} | {_score(ndcg)} | {cost['texts_per_second']:,.1f} | {cost['latency_ms']:.1f} "
+            f"| {cost['parameters'] / 1e6:.1f}M | {cost['weights_bytes'] / 1e6:.1f} |"
+        )
+    student = efficiency["student"]
+    widths = (results.get("student_after") or {}).get("matryoshka_ndcg@10") or {}
+    for dim, value in sorted(((int(d), v) for d, v in widths.items()), reverse=True):
+        if dim != student["dim"]:
+            lines.append(f"| student, first {dim} dims | {dim} | {_score(value)} | same | same | same | same |")
+    lines += [
+        "",
+        f"Measured on {efficiency['device']}: `encode` at batch {efficiency['batch_size']} over "
+        f"{efficiency['texts']} evaluation passages after a warm-up; one query: the median of "
+        f"{efficiency['latency_repeats']} single-query calls. A truncated width costs the same to encode and "
+        "stores fewer bytes per vector.",
+    ]
+    return "\n".join(lines)
+
+
+def _score(value: float | None) -> str:
+    return "" if value is None else f"{value:.4f}"

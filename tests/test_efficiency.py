@@ -1,0 +1,154 @@
+"""The cost stage: sizes and encoding speed measured, the teacher's figures kept, the trade-off line and table."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from sentence_transformers import SentenceTransformer
+
+from conftest import sentences
+from distill.data import DistillData, EvalSet, Pairs
+from distill.efficiency import (
+    CostTexts,
+    Efficiency,
+    ModelCost,
+    TeacherCosts,
+    cost_table,
+    device_label,
+    measure,
+    trade_off_line,
+    weights_bytes,
+)
+from distill.report import report_figure, report_markdown
+
+
+def cost(parameters: int, speed: float, latency: float, dim: int = 32) -> ModelCost:
+    return ModelCost(parameters, dim, 4 * parameters, speed, latency)
+
+
+def results_with_costs() -> dict:
+    efficiency = Efficiency("Test CPU (CPU, 2 threads)", 256, 32, 50, cost(10, 300.0, 10.0), cost(40, 100.0, 20.0))
+    return {
+        "mode": "matryoshka",
+        "teacher": {"ndcg@10": 0.60},
+        "student_before": {"ndcg@10": 0.40},
+        "student_after": {"ndcg@10": 0.57, "matryoshka_ndcg@10": {"32": 0.57, "16": 0.55, "8": 0.50}},
+        "efficiency": efficiency.to_dict(),
+    }
+
+
+def test_measure_counts_what_the_model_holds(tiny_models):
+    model = SentenceTransformer(str(tiny_models["student"]), device="cpu")
+    texts = CostTexts(sentences(20, seed=5), sentences(7, seed=6), batch_size=8)
+    found = measure(model, texts, tiny_models["student"])
+    assert found.parameters == sum(p.numel() for p in model.parameters())
+    assert found.dim == 32
+    assert found.texts_per_second > 0 and found.latency_ms > 0
+    # the folder's weight file where there is one, else the tensors' bytes (float32 here: 4 per number)
+    weight_files = list(tiny_models["student"].rglob("*.safetensors"))
+    assert weight_files and found.weights_bytes == sum(f.stat().st_size for f in weight_files)
+    assert weights_bytes(model) == 4 * sum(t.numel() for t in model.state_dict().values())
+
+
+def test_measure_on_a_folder_without_weight_files_counts_the_tensors(tiny_models, tmp_path):
+    model = SentenceTransformer(str(tiny_models["student"]), device="cpu")
+    assert weights_bytes(model, tmp_path) == weights_bytes(model)
+
+
+def test_cost_texts_sample_the_evaluation_set_and_are_seeded():
+    evaluation = EvalSet(queries=sentences(80, 1), corpus=sentences(300, 2), relevant=list(range(80)))
+    data = DistillData(sentences(500, 3), Pairs([], []), evaluation)
+    texts = CostTexts.from_data(data, 256, 32, seed=7)
+    assert texts is not None
+    assert len(texts.passages) == 256 and set(texts.passages) <= set(evaluation.corpus)
+    assert len(texts.queries) == 50 and set(texts.queries) <= set(evaluation.queries)
+    assert texts == CostTexts.from_data(data, 256, 32, seed=7)
+    assert texts.fingerprint() != CostTexts.from_data(data, 256, 32, seed=8).fingerprint()
+    assert CostTexts.from_data(data, 0, 32, seed=7) is None  # --efficiency_texts 0: not measured
+    # no evaluation set: the training texts
+    alone = CostTexts.from_data(DistillData(sentences(40, 3), Pairs([], []), None), 256, 32, seed=7)
+    assert alone is not None and len(alone.passages) == 40 and set(alone.passages) <= set(sentences(40, 3))
+
+
+def test_teacher_costs_are_kept_per_device_and_texts(tmp_path):
+    texts = CostTexts(["a passage"], ["a query"], 8)
+    kept = TeacherCosts(tmp_path, "teacher-key", "GPU A", texts)
+    assert kept.get() is None
+    kept.put(cost(40, 100.0, 20.0))
+    assert TeacherCosts(tmp_path, "teacher-key", "GPU A", texts).get() == cost(40, 100.0, 20.0)
+    assert TeacherCosts(tmp_path, "teacher-key", "GPU B", texts).get() is None  # another device measures again
+    assert TeacherCosts(tmp_path, "other-teacher", "GPU A", texts).get() is None
+    assert TeacherCosts(tmp_path, "teacher-key", "GPU A", CostTexts(["b"], ["a query"], 8)).get() is None
+    TeacherCosts(tmp_path, "teacher-key", "GPU B", texts).put(cost(40, 200.0, 10.0))
+    assert len(json.loads((tmp_path / "costs.json").read_text())) == 2  # both records kept
+
+
+def test_unreadable_or_unwritable_teacher_costs_do_not_stop_a_run(tmp_path, caplog):
+    texts = CostTexts(["a passage"], ["a query"], 8)
+    (tmp_path / "costs.json").write_text("{not json")
+    assert TeacherCosts(tmp_path, "k", "GPU", texts).get() is None
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the cache folder should be
+    with caplog.at_level(logging.WARNING):
+        TeacherCosts(blocked, "k", "GPU", texts).put(cost(1, 1.0, 1.0))
+    assert "not kept" in caplog.text
+
+
+def test_ratios_and_the_trade_off_line():
+    results = results_with_costs()
+    assert results["efficiency"]["ratios"] == {"throughput": 3.0, "latency": 0.5, "parameters": 0.25, "weights": 0.25}
+    assert trade_off_line(results) == (
+        "The student keeps 95.0% of the teacher's nDCG@10 at 3.0x its throughput and 0.25x its parameters, "
+        "on Test CPU (CPU, 2 threads)."
+    )
+    del results["efficiency"]["teacher"], results["efficiency"]["ratios"]
+    assert trade_off_line(results) is None  # nothing to compare with
+    assert trade_off_line({"teacher": {"ndcg@10": 0.6}, "student_after": {"ndcg@10": 0.5}}) is None
+
+
+def test_cost_table_lists_the_teacher_the_student_and_each_width():
+    table = cost_table(results_with_costs())
+    rows = [line for line in table.splitlines() if line.startswith("| ")][1:]
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| teacher",
+        "| student",
+        "| student, first 16 dims",
+        "| student, first 8 dims",
+    ]
+    assert "| 0.6000 | 100.0 | 20.0 |" in rows[0] and "| 0.5700 | 300.0 | 10.0 |" in rows[1]
+    assert "Test CPU (CPU, 2 threads)" in table
+    assert cost_table({"teacher": {"ndcg@10": 0.6}}) == ""
+
+
+def test_report_shows_the_cost_section_and_the_trade_off_panel():
+    results = results_with_costs()
+    markdown = report_markdown(results)
+    assert "## Cost" in markdown and trade_off_line(results) in markdown
+    figure = report_figure(results)
+    panel = figure.axes[3]
+    assert panel.get_title() == "(d) quality against encoding speed"
+    labels = [text.get_text() for text in panel.texts]
+    assert labels == [
+        "teacher (0.600)",
+        "student before (0.400)",
+        "student after (0.570)",
+        "first 16 dims (0.550)",
+        "first 8 dims (0.500)",
+    ]
+    offsets = [tuple(c.get_offsets()[0]) for c in panel.collections]
+    assert offsets[0] == (100.0, 0.6) and offsets[2] == (300.0, 0.57)
+    no_costs = report_figure({k: v for k, v in results.items() if k != "efficiency"}).axes[3]
+    assert "no cost measured" in no_costs.texts[0].get_text()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="names the GPU")
+def test_device_label_names_the_gpu():
+    assert torch.cuda.get_device_name(0) in device_label(torch.device("cuda:0"))
+
+
+def test_device_label_names_the_cpu_and_its_threads():
+    label = device_label(torch.device("cpu"))
+    assert label.endswith(f"(CPU, {torch.get_num_threads()} threads)") and len(label) > len("(CPU, 1 threads)")
