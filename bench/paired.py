@@ -5,8 +5,8 @@
 Each argument is BASE:CHANGED, the output_dirs of two runs with the same seed (so the same evaluation queries).
 For each pair it prints the change's nDCG@10 difference with a 95% paired-bootstrap interval over the queries
 (bench/quality.py's `paired_difference`), and with several pairs one interval over all their queries. On the
-demo's 867 queries two distill variants' interval on one seed was about +-0.0025 to +-0.0043 wide (session 12,
-docs/QUALITY.md), narrower than distill against the peer (+-0.0085): two runs of one recipe rank queries alike.
+demo's 867 queries two distill variants' interval on one seed was about +-0.0025 to +-0.0043 wide (docs/QUALITY.md),
+narrower than distill against the peer (+-0.0085): two runs of one recipe rank queries alike.
 """
 
 from __future__ import annotations

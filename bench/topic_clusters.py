@@ -7,8 +7,8 @@ Makes `--pairs` query and passage vectors of `--dim` dimensions as float16 `.npy
 cache holds them, around `pairs / cluster_size` planted topics, then clusters the pairs (query + positive
 passage) once, timed, and prints one line: seconds, the process's peak RSS, how tight the clusters are (mean
 cosine of a pair to its cluster's mean direction) and how well they recover the planted topics (adjusted Rand
-index). Revisions before session 21 take the pairs as one float32 array, so for those the script builds it, as
-`distill.train` did. Figures in docs/BENCHMARKS.md ("Topic clusters").
+index). Older revisions (before commit ed4c7d8) take the pairs as one float32 array, so for those the script
+builds it, as `distill.train` did. Figures in docs/BENCHMARKS.md ("Topic clusters").
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def main() -> None:
             labels = batching.topic_clusters(
                 batching.PairVectors(queries, passages, positives), args.cluster_size, args.seed
             )
-        else:  # before session 21: one float32 array of every pair, as distill.train built it
+        else:  # an older revision: one float32 array of every pair, as distill.train built it
             vectors = np.asarray(queries, dtype=np.float32) + np.asarray(passages[positives], dtype=np.float32)
             labels = batching.topic_clusters(vectors, args.cluster_size, args.seed)
         seconds = time.perf_counter() - started

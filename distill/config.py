@@ -562,6 +562,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def options_markdown() -> str:
+    """docs/options.md: every flag by --help's topics, its default and the help text --help prints.
+
+    `python -m distill.config > docs/options.md` writes it; a test keeps the page and --help the same.
+    """
+    defaults = Config()
+    lines = [
+        "# Options",
+        "",
+        "Every flag of `python -m distill.train` (also `distill-train`), grouped as `--help` groups them. Each is",
+        "also a key of the YAML file given with `--config FILE`: flags override the file, the file overrides the",
+        "defaults. This page is generated from the configuration's own help texts (`python -m distill.config`).",
+    ]
+    for group, title in HELP_GROUPS.items():
+        leaves = [leaf for leaf in LEAVES if _help_group(leaf) == group]
+        lines += ["", f"## {title[0].upper()}{title[1:]}", "", "| flag | default | what it does |", "|---|---|---|"]
+        for leaf in leaves:
+            default = getattr(getattr(defaults, leaf.section), leaf.name)
+            if leaf.name == "teacher_cache_dir":  # its default follows $DISTILL_CACHE and the home folder
+                default = "$DISTILL_CACHE/teacher, else ~/.cache/distill/teacher"
+            helptext = leaf.help.replace("|", "\\|")
+            if leaf.choices:
+                helptext += " One of: " + ", ".join(f"`{choice}`" for choice in leaf.choices) + "."
+            lines.append(f"| `--{leaf.flag}` | `{default}` | {helptext} |")
+    return "\n".join(lines) + "\n"
+
+
 def _metavar(leaf: _Leaf) -> str:
     """What a flag's value is, in --help: its choices, N for a count, X for a number, else the flag's last word."""
     tp = _base_type(leaf.type)
@@ -792,3 +819,7 @@ def dump_config(config: Config, path: str | os.PathLike) -> None:
     """
     text = yaml.safe_dump(to_flat_dict(config), sort_keys=False)
     write_atomic(Path(path), lambda staging: staging.write_text(text))
+
+
+if __name__ == "__main__":
+    print(options_markdown(), end="")

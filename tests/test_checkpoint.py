@@ -423,7 +423,7 @@ def test_resume_refuses_other_training_settings_and_allows_the_same_global_batch
         resume_with("--batch_size", "16", "--gradient_accumulation_steps", "2")
     with pytest.raises(DistillError, match=r"phase2_epochs"):
         resume_with("--batch_size", "16", "--phase2_epochs", "9")
-    old = TrainingState(identity={"teacher_model": "t", "student_model": "s"})  # written before session 24
+    old = TrainingState(identity={"teacher_model": "t", "student_model": "s"})  # an older checkpoint's identity
     assert resume_with("--batch_size", "8", state=old).identity == old.identity
 
 

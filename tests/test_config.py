@@ -433,7 +433,7 @@ def test_shipped_demo_config_loads() -> None:
     config = load_config(["--config", str(demo)])
     assert config.model.use_projection is False
     assert config.model.student_num_layers == 3
-    # phase 1 on all the embedded general text (18,372 sentences), phase 2 off (docs/QUALITY.md, session 16)
+    # phase 1 on all the embedded general text (18,372 sentences), phase 2 off (docs/QUALITY.md)
     assert config.data.embedded_lee_background and config.data.max_samples_phase1 > 18_372
     assert config.training.skip_phase2 and not config.training.skip_phase1
 

@@ -423,7 +423,7 @@ def test_embedded_eval_set_points_at_the_right_passages() -> None:
     assert len(evaluation.sts_texts) == 50 and len(evaluation.sts_pairs) == 1225
 
 
-# ---------------------------------------------------------------- formats users bring (review of session 24)
+# ---------------------------------------------------------------- formats users bring
 
 
 def test_bge_style_pos_and_neg_lists(tmp_path: Path) -> None:

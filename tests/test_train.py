@@ -1001,7 +1001,7 @@ def test_fp16_gradient_compression_on_two_cpu_processes(tiny_models, tiny_data, 
     """gloo all-reduces fp16: the hook is registered for each phase on both ranks, and 2 x 4 with compressed
     gradients trains close to the uncompressed 1 x 8 run.
 
-    Measured on AMD EPYC (session 12): every step's loss within 1.04e-5 (8.1e-5 of itself) of the 1 x 8 run's,
+    Measured on a 2-core AMD EPYC: every step's loss within 1.04e-5 (8.1e-5 of itself) of the 1 x 8 run's,
     and the exported weights at most 1.7e-3 apart; the bounds below are about 5x those. They do not tell a
     compressed run from an uncompressed 2 x 4 one (which on this CPU also differs from 1 x 8 in the last bits:
     test_two_processes_match_one_process_with_twice_the_batch); the hook names recorded on each rank show that
