@@ -36,6 +36,7 @@ from accelerate.utils import (
     broadcast_object_list,
     parse_flag_from_env,
 )
+from tqdm.auto import tqdm
 
 from distill.config import Config
 from distill.errors import DistillError, first_sentences
@@ -343,6 +344,12 @@ def smallest(accelerator: Accelerator, value: int) -> int:
         return value
     values = accelerator.gather(torch.tensor([value], dtype=torch.int64, device=accelerator.device))
     return int(values.min())
+
+
+def progress_bar(accelerator: Accelerator, total: int, description: str, done: int = 0, unit: str = "it") -> tqdm:
+    """A bar with rate and time left, drawn by one process per machine (the others count silently)."""
+    disable = not accelerator.is_local_main_process
+    return tqdm(total=total, initial=done, desc=description, unit=unit, disable=disable, dynamic_ncols=True)
 
 
 def on_main_process(accelerator: Accelerator, write: Callable[[], T]) -> T | None:

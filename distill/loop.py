@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from distill.allocator import release_freed_memory
 from distill.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from distill.config import Config
+from distill.distributed import progress_bar
 from distill.errors import TrainingStopped, memory_message
 from distill.phases import Phase
 from distill.signals import PREEMPTION
@@ -334,7 +335,7 @@ def train_phase(
     clock = Clock(state.train_seconds)  # a resumed phase goes on counting from its checkpoint
     guard, window = Guard(accelerator, phase.name, checkpoint), Window(state.batches_done, state.train_samples, [])
     run.wrapped.train()
-    progress = progress_bar(accelerator, run.total_steps, state.optimizer_steps, phase.name)
+    progress = progress_bar(accelerator, run.total_steps, phase.name, done=state.optimizer_steps)
     if state.evaluation_pending:  # stopped at an evaluation step before evaluating: that evaluation comes first
         state.evaluation_pending = False
         evaluate_now()
@@ -395,12 +396,6 @@ def resume_phase(
     phase.load_state_dict(extra, accelerator.device)
     run.average.load_state_dict({k.removeprefix("average."): v for k, v in extra.items() if k.startswith("average.")})
     accelerator.step = state.accelerator_step  # keeps gradient-accumulation windows where they were
-
-
-def progress_bar(accelerator: Accelerator, total: int, done: int, name: str) -> tqdm:
-    """The phase's bar of optimizer steps, on one process per machine."""
-    disable = not accelerator.is_local_main_process
-    return tqdm(total=total, initial=done, desc=name, disable=disable, dynamic_ncols=True)
 
 
 def step_taken(

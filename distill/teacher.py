@@ -34,7 +34,7 @@ from distill.batching import TOKENIZE_CHUNK, PairVectors, map_sharded, topic_clu
 from distill.cache import CACHE_FORMAT, CacheWriter, Role, read_entry, touch
 from distill.config import Config, ModelConfig
 from distill.data import DistillData, passage_texts
-from distill.distributed import everyone, main_decides, smallest
+from distill.distributed import everyone, main_decides, progress_bar, smallest
 from distill.efficiency import CostTexts, ModelCost, TeacherCosts, device_label, measure
 from distill.errors import DistillError
 from distill.evaluation import EvalVectors
@@ -322,7 +322,9 @@ class TeacherCache:
         )
         ahead = tokenize_ahead(teacher.device)
         block = BLOCK_ROWS_PER_PROCESS * self.accelerator.num_processes
-        for start in range(self._texts_done(writer, len(texts), role), len(texts), block):
+        done = self._texts_done(writer, len(texts), role)
+        progress = progress_bar(self.accelerator, len(texts), f"teacher: {role} texts", done=done, unit="text")
+        for start in range(done, len(texts), block):
             rows = np.sort(order[start : start + block])  # in text order; map_sharded shards and sorts them
 
             def tokenize(indices: list[int], rows: np.ndarray = rows) -> dict:
@@ -338,6 +340,7 @@ class TeacherCache:
                 check_finite(vectors, rows[indices], texts, role, self.spec)
                 if writer is not None:
                     writer.write(rows[indices], vectors)
+                progress.update(len(np.unique(indices)))  # every process's texts of this chunk, padding left out
 
             map_sharded(
                 self.accelerator,
@@ -350,6 +353,7 @@ class TeacherCache:
             )
             if writer is not None:
                 writer.mark(min(start + block, len(texts)))
+        progress.close()
 
     def _texts_done(self, writer: CacheWriter | None, count: int, role: Role) -> int:
         """The texts every machine's writer has marked done in an interrupted encoding (non-writers pass `count`)."""

@@ -980,3 +980,14 @@ def test_non_finite_vectors_stop_every_process_at_once(tiny_models: dict[str, Pa
     seen = [(tmp_path / f"seen.{rank}").read_text() for rank in (0, 1)]
     assert seen[0] == seen[1] and "gave non-finite vectors (NaN or inf) for 1 of the" in seen[0], seen
     assert committed_entries(tmp_path / "cache") == []
+
+
+def test_encoding_shows_a_progress_bar_of_every_text(
+    accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    texts = sentences(2500, seed=9)  # more than one gathered chunk (1,024 per process), so the bar moves
+    make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache").embeddings(texts, "document")
+    bar = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    counts = [line.split("|")[-1].split()[0] for line in bar if line.startswith("teacher: document texts")]
+    assert counts[-1] == f"{len(texts)}/{len(texts)}"
+    assert len(set(counts)) >= 3  # 0, after the first chunk, ..., all: it moved while encoding
