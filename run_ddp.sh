@@ -37,7 +37,7 @@ cuda="$("$python" -c 'import torch
 n = torch.cuda.device_count()
 print(n, min((torch.cuda.get_device_capability(i)[0] for i in range(n)), default=0))')"
 read -r gpus capability <<<"$cuda"
-launch=(-m accelerate.commands.launch)
+launch=(-m distill.distributed)  # accelerate launch; a bad input ends on its own error line
 if [[ -n "${ACCELERATE_CONFIG:-}" ]]; then  # optional topology file, e.g. accelerate_configs/multi_gpu.yaml
     if [[ ! -f "$ACCELERATE_CONFIG" ]]; then
         echo "error: ACCELERATE_CONFIG '$ACCELERATE_CONFIG' does not exist; pass one of accelerate_configs/*.yaml" >&2

@@ -119,7 +119,7 @@ def relaunch_command(
 ) -> tuple[list[str], dict[str, str]]:
     """The `accelerate launch` command and environment that run this module on `num_processes` processes."""
     env = dict(os.environ, **{RELAUNCHED: "1"})
-    command = [sys.executable, "-m", "accelerate.commands.launch"]
+    command = [sys.executable, "-m", "distill.distributed"]  # accelerate launch, without its summary of our stops
     if accelerate_config:  # the file names one machine (checked in maybe_relaunch)
         command += ["--config_file", accelerate_config]
     else:
@@ -198,6 +198,32 @@ def _relaunch(num_processes: int, argv: list[str], accelerate_config: str | None
         return subprocess.call(command, env=env, preexec_fn=_launcher_child)
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+# Exit codes by which distill's ranks stop on purpose, having printed why: bad input (2), a non-finite loss (3),
+# Ctrl-C (130), SIGTERM (143). A launcher's traceback after them would only bury that line.
+STOPS_THAT_SAY_WHY = {2, 3, 130, 143}
+
+
+def launch(launcher_argv: list[str]) -> int:
+    """`accelerate launch` with `launcher_argv`; where every failed rank stopped on purpose, its code, quietly.
+
+    torch elastic reports a failed rank with a traceback of the launcher itself and a summary; for a run that
+    stopped on bad input, each rank has already printed the one line that matters. Any other failure (a
+    crash, a rank killed by a signal) keeps the launcher's report.
+    """
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = launch_command_parser().parse_args(launcher_argv)
+    try:
+        launch_command(args)
+    except ChildFailedError as e:
+        codes = [failure.exitcode for failure in e.failures.values()]
+        if codes and set(codes) <= STOPS_THAT_SAY_WHY:
+            return codes[0]
+        raise
+    return 0
 
 
 def _launcher_child() -> None:
@@ -374,3 +400,7 @@ def lost_a_peer(error: BaseException) -> str | None:
     if not isinstance(error, torch.distributed.DistError) and not any(words in text for words in PEER_GONE):
         return None
     return first_sentences(re.sub(r"^\[[^\]]*\]\s*", "", text), 1, 200)  # without gloo's [source file:line]
+
+
+if __name__ == "__main__":  # python -m distill.distributed [accelerate launch arguments]: relaunch and run_ddp.sh
+    sys.exit(launch(sys.argv[1:]))

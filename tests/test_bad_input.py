@@ -279,3 +279,26 @@ def test_only_a_lost_peer_is_reported_as_one(monkeypatch):
     )
     assert lost_a_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None  # a bug keeps its traceback
     assert lost_a_peer(torch.OutOfMemoryError("CUDA out of memory")) is None
+
+
+@pytest.mark.multiprocess
+def test_bad_input_under_the_relaunch_ends_on_its_error_line(tiny_models, tiny_data, tmp_path):
+    """`--num_processes 2` relaunches through accelerate launch: one error line, no launcher traceback, exit 2."""
+    flags = tiny_run_flags(tiny_models, tiny_data, tmp_path / "out", phase1_data=tmp_path / "missing.jsonl")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+    done = subprocess.run(
+        [sys.executable, "-m", "distill.train", "--num_processes", "2", *flags],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: data file '{tmp_path / 'missing.jsonl'}' does not exist; pass an existing "
+        ".jsonl/.json/.csv/.parquet/.txt file or dataset folder, a Hub dataset name, or 'embedded'"
+    ]
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
+    assert not (tmp_path / "out").exists()

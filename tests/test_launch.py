@@ -14,7 +14,7 @@ import torch
 
 from conftest import tiny_run_flags
 from distill.allocator import find_tcmalloc
-from distill.distributed import RELAUNCHED, maybe_relaunch, relaunch_command, strip_flag
+from distill.distributed import RELAUNCHED, launch, maybe_relaunch, relaunch_command, strip_flag
 from distill.errors import DistillError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ def test_strip_flag_removes_both_spellings():
 def test_relaunch_command_runs_this_module_on_n_processes_without_the_flag(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     command, env = relaunch_command(4, ["--num_processes", "4", "--batch_size", "2"])
-    assert command[1:3] == ["-m", "accelerate.commands.launch"]
+    assert command[1:3] == ["-m", "distill.distributed"]  # accelerate launch, quiet about stops that say why
     assert command[command.index("--num_processes") + 1] == "4"
     assert command[-4:] == ["-m", "distill.train", "--batch_size", "2"]
     assert env["ACCELERATE_USE_CPU"] == "true" and env[RELAUNCHED] == "1"
@@ -109,7 +109,7 @@ FAKE_PYTHON = """#!/usr/bin/env bash
 # stands in for the venv's python: reports FAKE_CUDA as (GPUs, compute capability) and prints the launch
 if [[ "$1" == "-c" && "$2" == *get_device_capability* ]]; then echo "$FAKE_CUDA"; exit 0; fi
 if [[ "$1" == "-c" && "$2" == *device_count* ]]; then echo "${{FAKE_CUDA%% *}}"; exit 0; fi  # the count alone
-if [[ "$1" == "-m" && "$2" == "accelerate.commands.launch" ]]; then shift 2; echo "LAUNCH $*"; exit 0; fi
+if [[ "$1" == "-m" && "$2" == "distill.distributed" ]]; then shift 2; echo "LAUNCH $*"; exit 0; fi
 exec {python} "$@"
 """
 
@@ -217,3 +217,24 @@ def test_a_restarted_group_does_not_read_the_addresses_of_the_attempt_before(tmp
             out, err = process.communicate(timeout=120)
             assert process.returncode == 0, err[-3000:]
             assert out.strip() == "3.0"  # 1 + 2: both ranks in one group
+
+
+@pytest.mark.parametrize(("codes", "quiet"), [((2, 2), True), ((143, 143), True), ((3,), True), ((2, 1), False)])
+def test_the_relaunch_leaves_out_the_launchers_report_of_stops_that_say_why(monkeypatch, tmp_path, codes, quiet):
+    """Ranks that stopped on bad input (2), a NaN (3) or a signal (130, 143) printed why; a crash keeps the report."""
+    import accelerate.commands.launch as accelerate_launch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def failing(args):
+        failures = {
+            rank: ProcessFailure(rank, 1000 + rank, code, str(tmp_path / "none")) for rank, code in enumerate(codes)
+        }
+        raise ChildFailedError("distill.train", failures)
+
+    monkeypatch.setattr(accelerate_launch, "launch_command", failing)
+    argv = ["--num_processes", str(len(codes)), "-m", "distill.train"]
+    if quiet:
+        assert launch(argv) == codes[0]
+    else:
+        with pytest.raises(ChildFailedError):
+            launch(argv)
