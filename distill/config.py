@@ -311,7 +311,15 @@ class OutputConfig:
     save_to_artifacts: bool = _opt(default=False, help="Export the trained student as a SentenceTransformer.")
     artifacts_dir: str = _opt(default="./artifacts", check=FOLDER, help="Where the exported model folder(s) go.")
     log_with: str = _opt(
-        default="jsonl", help="Trackers, comma-separated: jsonl (<output_dir>/metrics.jsonl), tensorboard, wandb, none."
+        default="jsonl",
+        help="Trackers, comma-separated: jsonl (<output_dir>/metrics.jsonl), any tracker Accelerate supports "
+        "(tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio), or none.",
+    )
+    tracker_project: str = _opt(default="distill", help="The project (experiment) name the trackers log under.")
+    log_level: str = _opt(
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="The main process's log: info shows each stage with its seconds, cache hits and where outputs went.",
     )
     teacher_cache_dir: str = _opt(
         check=FOLDER,

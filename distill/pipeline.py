@@ -16,6 +16,9 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -54,16 +57,20 @@ def run(config: Config) -> RunResults:
 
     check_declared_dimensions(config.model)  # before any encoding: a wrong pairing fails in seconds
     trained = {phase.name for phase in phases}
-    data = load_data(config.data, config.training.seed, "phase1" in trained, "phase2" in trained, config.inherited)
-    check_phase_sizes(phases, data, config.training.batch_size, accelerator.num_processes)
+    with stage("data"):
+        data = load_data(config.data, config.training.seed, "phase1" in trained, "phase2" in trained, config.inherited)
+        check_phase_sizes(phases, data, config.training.batch_size, accelerator.num_processes)
     costs = CostTexts.from_data(data, config.output.efficiency_texts, config.training.batch_size, config.training.seed)
-    teacher = embed_with_teacher(accelerator, config, data, costs)
-    model, dims, basis = build_student(accelerator, config, teacher.dim, *teacher.fit_sample(data))
-    evaluation = eval_inputs(model.student, data, teacher.evaluation, basis)
+    with stage("teacher"):
+        teacher = embed_with_teacher(accelerator, config, data, costs)
+    with stage("student"):
+        model, dims, basis = build_student(accelerator, config, teacher.dim, *teacher.fit_sample(data))
+        evaluation = eval_inputs(model.student, data, teacher.evaluation, basis)
     output_dir = prepare_output_dir(accelerator, config)  # inputs are valid: from here on the run writes
-    accelerator.init_trackers("distill", config=tracker_config(config))
+    accelerator.init_trackers(config.output.tracker_project, config=tracker_config(config))
 
-    evaluate_baseline(accelerator, config, model, state, evaluation, dims)
+    with stage("evaluation before training"):
+        evaluate_baseline(accelerator, config, model, state, evaluation, dims)
     for phase in phases:
         if resume is not None and PHASES.index(phase.name) < PHASES.index(state.phase):
             continue  # finished before the checkpoint; its figures are in the checkpoint's results
@@ -72,10 +79,20 @@ def run(config: Config) -> RunResults:
         if evaluation is not None:
             evaluations = PhaseEvaluation(accelerator, config, evaluation, dims, phase.name, state, output_dir)
         resumed = resume if phase.name == state.phase else None
-        model = train_stage(accelerator, config, model, phase, data, teacher, state, evaluations, resumed)
-        record_phase(state, phase, teacher, model, evaluations, final=phase is phases[-1])
+        with stage(phase.name):
+            model = train_stage(accelerator, config, model, phase, data, teacher, state, evaluations, resumed)
+            record_phase(state, phase, teacher, model, evaluations, final=phase is phases[-1])
         resume = None
     return finish(accelerator, config, model, state, teacher, output_dir, evaluation is not None, costs)
+
+
+@contextmanager
+def stage(name: str) -> Iterator[None]:
+    """Log a stage's start and its seconds (info level, main process)."""
+    started = time.perf_counter()
+    logger.info(f"{name} ...")
+    yield
+    logger.info(f"{name}: done in {time.perf_counter() - started:.1f} s")
 
 
 def evaluate_baseline(
@@ -178,7 +195,8 @@ def finish(
     results.teacher_seconds_evaluation = round(teacher.seconds["evaluation"], 3)
     efficiency = None
     if costs is not None:
-        efficiency = measure_student(accelerator, deployable_model(model), teacher.cost, costs)
+        with stage("cost"):
+            efficiency = measure_student(accelerator, deployable_model(model), teacher.cost, costs)
         results.efficiency = efficiency.to_dict()
     table = results_table(results.to_dict()) if evaluated else "(no evaluation set)"
     trade_off = trade_off_line(results.to_dict())
@@ -191,6 +209,8 @@ def finish(
             results.efficiency = efficiency.to_dict()
     results.config = to_flat_dict(config)
     path = write_results(accelerator, output_dir, results)
+    for name, folder in (results.exported or {}).items():
+        logger.info(f"exported {name}: {folder}")
     accelerator.print(f"\n{table}\n" + (f"\n{trade_off}\n" if trade_off else "") + f"\nresults: {path}")
     accelerator.wait_for_everyone()  # the group is torn down by all ranks together, not while rank 0 still writes
     accelerator.end_training()

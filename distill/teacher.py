@@ -255,7 +255,9 @@ class TeacherCache:
         if everyone(self.accelerator, here):
             if self.accelerator.is_local_main_process:
                 touch(entry)  # its last use, for `python -m distill.cache prune --unused_days`
+            logger.info(f"teacher cache: {len(texts):,} {role} texts found in {entry}")
             return cached
+        logger.info(f"teacher cache: {len(texts):,} {role} texts not cached; encoding them into {entry}")
         cached = None  # the memory map is dropped before the writer replaces the entry
         if entry.exists() and not here:
             logger.warning(

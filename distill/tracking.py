@@ -21,8 +21,11 @@ from distill.config import Config, to_flat_dict
 from distill.errors import DistillError
 
 METRICS_FILE = "metrics.jsonl"
-PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}  # any one of them will do
-TRACKER_NAMES = ("jsonl", *PACKAGES)
+# Accelerate's trackers (accelerate.tracking.LOGGER_TYPE_TO_CLASS) and the packages each needs, any one of them;
+# a name not listed needs the package of the same name.
+PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX")}
+ACCELERATE_TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio")
+TRACKER_NAMES = ("jsonl", *ACCELERATE_TRACKERS)
 
 
 class JsonlTracker(GeneralTracker):
@@ -109,8 +112,9 @@ def resolve_trackers(
 ) -> list[GeneralTracker | str]:
     """The Accelerator's `log_with` for tracker names from the config (`resumed`: the run continues an earlier one).
 
-    "jsonl" becomes a `JsonlTracker` writing `<output_dir>/metrics.jsonl`; "tensorboard" and "wandb" pass
-    through as names once their package is known to be installed.
+    "jsonl" becomes a `JsonlTracker` writing `<output_dir>/metrics.jsonl`; any of Accelerate's own trackers
+    (tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio) passes through as its name
+    once its package is known to be installed.
 
     Accelerate itself drops a named tracker whose package is missing with only a debug message, so the
     check is made here. "tensorboard" also needs the Accelerator's `project_dir` (or `logging_dir`) set.
@@ -122,7 +126,7 @@ def resolve_trackers(
         if name == "jsonl":
             resolved.append(JsonlTracker(output_dir, resumed))
             continue
-        if not any(importlib.util.find_spec(package) for package in PACKAGES[name]):
+        if not any(importlib.util.find_spec(package) for package in PACKAGES.get(name, (name,))):
             raise DistillError(f"tracker {name!r} needs the {name} package; run `pip install {name}` or drop it")
         resolved.append(name)
     return resolved

@@ -24,6 +24,15 @@ from distill.errors import DistillError, TrainingStopped
 # in well under a second, and a process that only relaunches itself never loads sentence-transformers.
 
 
+def _set_up_logging(level: str) -> None:
+    """distill's own log lines at `level` on stderr, as bare messages; other libraries stay at warnings."""
+    import logging
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(message)s")  # what Python prints for a warning with no logging set up
+    logging.getLogger("distill").setLevel(level.upper())
+
+
 def _quiet_libraries() -> None:
     import transformers
 
@@ -67,6 +76,7 @@ def train(config: Config, argv: list[str]) -> int:
     if code is not None:
         return code
     stop_with_the_launcher()
+    _set_up_logging(config.output.log_level)
     _quiet_libraries()
     from distill.pipeline import run  # the models' libraries: only in a process that trains
 

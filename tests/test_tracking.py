@@ -93,3 +93,14 @@ def test_a_resumed_run_does_not_repeat_its_config_line(tmp_path: Path) -> None:
         (False, 1),
     ]
     assert lines[3]["config"]["phase1_lr"] == 0.5 and lines[5]["config"] == started
+
+
+def test_any_tracker_accelerate_supports_is_accepted_once_its_package_is_there(tmp_path: Path, monkeypatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "mlflow" else real(name, *a))
+    assert resolve_trackers(["mlflow"], tmp_path) == ["mlflow"]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "aim" else real(name, *a))
+    with pytest.raises(DistillError, match=r"tracker 'aim' needs the aim package; run `pip install aim`"):
+        resolve_trackers(["aim"], tmp_path)

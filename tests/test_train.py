@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -125,6 +126,12 @@ def test_tiny_run_projection_mode_end_to_end(tiny_models, tiny_data, tmp_path, c
         assert stats["train_samples"] > 0 and stats["train_seconds"] > 0 and stats["teacher_seconds"] >= 0
         assert all(np.isfinite(stats["losses"]))
     assert_closer_to_the_teacher(results)
+    logged = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.name.startswith("distill")]
+    for stage in ("data", "teacher", "student", "evaluation before training", "phase1", "phase2", "cost"):
+        assert any(line.endswith(f"] {stage} ...") for line in logged), (stage, logged)
+        assert any(re.search(rf"\] {stage}: done in \d+\.\d s$", line) for line in logged), (stage, logged)
+    assert any("teacher cache: " in line and "not cached; encoding them into" in line for line in logged)
+    assert any(line.endswith(f"exported model: {out / 'artifacts' / 'model'}") for line in logged)
     assert (out / "config.yaml").is_file()
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| ndcg@10 |" in (out / "report.md").read_text()
