@@ -370,6 +370,7 @@ def map_sharded(
     sink: Callable[[np.ndarray, np.ndarray], None] | None = None,
     prepare: Callable[[list[int]], object] | None = None,
     too_long_hint: str = "lower the max sequence length or run on a device with more memory",
+    progress: Callable[[int], None] | None = None,
 ) -> np.ndarray | None:
     """Run `encode_batch` over all items, each process on its share, longest first.
 
@@ -381,6 +382,8 @@ def map_sharded(
     With `prepare`, `encode_batch` gets `prepare(indices)` instead of the indices, and the next batch is
     prepared in a background thread while this one encodes: tokenizing (which releases the GIL) overlaps
     the model's forward pass instead of leaving a GPU idle between batches.
+
+    `progress(n)` hears of every gathered chunk: n items of all processes done (their padding left out).
 
     A batch that runs the device out of memory is encoded in halves, and so is every later batch of this
     process (`_encode_all`); the gathers do not change, so ranks may settle on different sizes. A single
@@ -403,6 +406,8 @@ def map_sharded(
             (torch.cat(parts).float().contiguous(), torch.tensor(chunk, device=parts[0].device))
         )
         pair = (indices.cpu().numpy(), vectors.cpu().numpy())
+        if progress is not None:
+            progress(len(np.unique(pair[0])))
         if sink is not None:
             sink(*pair)
         else:

@@ -372,10 +372,14 @@ def smallest(accelerator: Accelerator, value: int) -> int:
     return int(values.min())
 
 
-def progress_bar(accelerator: Accelerator, total: int, description: str, done: int = 0, unit: str = "it") -> tqdm:
+def progress_bar(
+    accelerator: Accelerator, total: int, description: str, done: int = 0, unit: str = "it", leave: bool = True
+) -> tqdm:
     """A bar with rate and time left, drawn by one process per machine (the others count silently)."""
     disable = not accelerator.is_local_main_process
-    return tqdm(total=total, initial=done, desc=description, unit=unit, disable=disable, dynamic_ncols=True)
+    return tqdm(
+        total=total, initial=done, desc=description, unit=unit, disable=disable, dynamic_ncols=True, leave=leave
+    )
 
 
 def on_main_process(accelerator: Accelerator, write: Callable[[], T]) -> T | None:

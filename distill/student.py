@@ -21,7 +21,7 @@ from torch import nn
 
 from distill.batching import TokenizedTexts, map_sharded
 from distill.config import Config, ModelConfig
-from distill.distributed import main_decides
+from distill.distributed import main_decides, progress_bar
 from distill.errors import DistillError
 from distill.hub import declared_dimension, load_sentence_transformer, resolve_model
 
@@ -418,7 +418,9 @@ def encode_student(
         return torch.cat([student.float(), target.float()], dim=1)
 
     hint = f"lower --max_seq_length (the student reads up to {texts.max_length} tokens)"
-    both = map_sharded(accelerator, texts.lengths, batch_size, encode, too_long_hint=hint)
+    bar = progress_bar(accelerator, len(texts.lengths), "student: evaluation texts", unit="text", leave=False)
+    with bar:
+        both = map_sharded(accelerator, texts.lengths, batch_size, encode, too_long_hint=hint, progress=bar.update)
     assert both is not None  # no sink: the vectors come back
     return both[:, : model.student_dim], both[:, model.student_dim :]
 

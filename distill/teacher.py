@@ -342,7 +342,6 @@ class TeacherCache:
                 check_finite(vectors, rows[indices], texts, role, self.spec)
                 if writer is not None:
                     writer.write(rows[indices], vectors)
-                progress.update(len(np.unique(indices)))  # every process's texts of this chunk, padding left out
 
             map_sharded(
                 self.accelerator,
@@ -352,6 +351,7 @@ class TeacherCache:
                 sink=sink,
                 prepare=tokenize if ahead else None,
                 too_long_hint=hint,
+                progress=progress.update,
             )
             if writer is not None:
                 writer.mark(min(start + block, len(texts)))

@@ -215,7 +215,9 @@ def tokenized_inputs(student: SentenceTransformer, eval_set: EvalSet, teacher: E
     )
 
 
-def test_evaluate_student_matches_direct_encoding(accelerator: Accelerator, tiny_models: dict[str, Path]) -> None:
+def test_evaluate_student_matches_direct_encoding(
+    accelerator: Accelerator, tiny_models: dict[str, Path], capsys: pytest.CaptureFixture
+) -> None:
     student, projection = student_with_projection(tiny_models)
     model = DistillationModel(student, projection)
     model.train()
@@ -227,6 +229,8 @@ def test_evaluate_student_matches_direct_encoding(accelerator: Accelerator, tiny
     inputs = tokenized_inputs(student, eval_set, teacher)
     metrics = evaluate_student(accelerator, model, inputs, batch_size=5, matryoshka_dims=None)
     assert model.training  # restored after evaluation
+    bar = capsys.readouterr().err.replace("\r", "\n")
+    assert "student: evaluation texts" in bar and "/20 " in bar  # a bar over the encoded texts, cleared after
 
     own_q, own_c = student.encode(queries), student.encode(corpus)
     with torch.no_grad():
