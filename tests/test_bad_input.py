@@ -146,8 +146,11 @@ def test_unknown_offline_teacher_prints_only_its_error(tiny_models, tiny_data, t
         [sys.executable, "-m", "distill.train", *flags], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
     )
     lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and len(lines) == 1, lines
-    assert lines[0].startswith("error: model 'org/unknown' cannot be found locally or on the Hub"), lines
+    # the stages' info lines may come first; the error is the last line and the only one that is not info
+    assert done.returncode == 2 and lines[-1].startswith("error: model 'org/unknown' cannot be found"), lines
+    assert [
+        line for line in lines[:-1] if not re.fullmatch(r"\[RANK 0\] [a-z0-9 ]+( \.\.\.|: done in [\d.]+ s)", line)
+    ] == []
 
 
 @pytest.mark.multiprocess
@@ -301,4 +304,5 @@ def test_bad_input_under_the_relaunch_ends_on_its_error_line(tiny_models, tiny_d
         ".jsonl/.json/.csv/.parquet/.txt file or dataset folder, a Hub dataset name, or 'embedded'"
     ]
     assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
-    assert not (tmp_path / "out").exists()
+    out = tmp_path / "out"
+    assert not out.exists() or not any(out.iterdir())  # a rank stopped mid-probe may leave the empty folder
