@@ -1,6 +1,6 @@
 """Run distill.train with one measurement-only change that has no flag, for the ablations in docs/QUALITY.md.
 
-    python bench/ablate.py --random_projection_init -- --config configs/demo_mpnet.yaml [distill flags]
+    python bench/ablate.py --random_projection_init -- --config configs/mpnet_projection.yaml [distill flags]
 
 --random_projection_init: the projection starts from nn.Linear's default random init instead of the
 orthogonal or least-squares fit (distill always fits it; this patches both fitting functions).

@@ -15,7 +15,7 @@ cached teacher vectors, and the table, the machine, the versions and the command
 (between markers, one section per --name; the rest of the file is left alone).
 
     python bench/quality.py                                    # configs/demo.yaml (make quality)
-    python bench/quality.py --config configs/demo_mpnet.yaml   # projection mode, mpnet teacher
+    python bench/quality.py --config configs/mpnet_projection.yaml   # projection mode, mpnet teacher
 """
 
 from __future__ import annotations

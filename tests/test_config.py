@@ -524,3 +524,11 @@ def test_a_config_files_setting_that_a_flag_makes_irrelevant_is_dropped_with_a_w
     own.write_text(f"phase1_data: {texts}\nembedded_lee_background: true\nteacher_model: t\nstudent_model: s\n")
     with pytest.raises(DistillError, match="embedded_lee_background: the Lee background sentences"):
         load_config(["--config", str(own)])
+
+
+@pytest.mark.parametrize(
+    "name", sorted(p.name for p in (Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+)
+def test_every_shipped_config_loads(name):
+    config = load_config(["--config", str(Path(__file__).resolve().parents[1] / "configs" / name)])
+    assert not config.dropped  # nothing in a shipped file contradicts another of its keys
