@@ -16,6 +16,8 @@ run that finds no record for its device loads the teacher once to measure it.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
 import json
 import logging
@@ -188,6 +190,7 @@ class Efficiency:
     latency_repeats: int
     student: ModelCost
     teacher: ModelCost | None
+    dtype: str = "float32"  # what both models computed in
     exported_bytes: int | None = None  # the whole exported folder (weights, tokenizer, config)
 
     def to_dict(self) -> dict[str, Any]:
@@ -209,17 +212,30 @@ class Efficiency:
 
 
 def measure_student(
-    accelerator: Accelerator, student: SentenceTransformer, teacher: ModelCost | None, texts: CostTexts
+    accelerator: Accelerator,
+    student: SentenceTransformer,
+    teacher: ModelCost | None,
+    texts: CostTexts,
+    dtype: str = "float32",
 ) -> Efficiency:
-    """The deployable student measured on the main process (the others wait), beside the teacher's figures."""
-    cost = main_decides(accelerator, lambda: measure(student, texts))
+    """The deployable student measured on the main process (the others wait), beside the teacher's figures.
+
+    It encodes in `dtype`, the teacher's compute dtype (a bfloat16 copy where a GPU runs the teacher in bfloat16),
+    so that both models are timed alike; its weight bytes are those of the exported float32 folder.
+    """
+
+    def measured() -> ModelCost:
+        model = student if dtype == "float32" else copy.deepcopy(student).to(getattr(torch, dtype))
+        return dataclasses.replace(measure(model, texts), weights_bytes=weights_bytes(student))
+
     return Efficiency(
         device=device_label(accelerator.device),
         texts=len(texts.passages),
         batch_size=texts.batch_size,
         latency_repeats=len(texts.queries),
-        student=cost,
+        student=main_decides(accelerator, measured),
         teacher=teacher,
+        dtype=dtype,
     )
 
 
@@ -261,8 +277,9 @@ def cost_table(results: dict) -> str:
             lines.append(f"| student, first {dim} dims | {dim} | {_score(value)} | same | same | same | same |")
     lines += [
         "",
-        f"Measured on {efficiency['device']}: `encode` at batch {efficiency['batch_size']} over "
-        f"{efficiency['texts']} evaluation passages after a warm-up; one query: the median of "
+        f"Measured on {efficiency['device']} in {efficiency.get('dtype', 'float32')}: `encode` at batch "
+        f"{efficiency['batch_size']} over {efficiency['texts']} passages (the evaluation set's, else training "
+        f"texts) after a warm-up; one query: the median of "
         f"{efficiency['latency_repeats']} single-query calls. A truncated width costs the same to encode and "
         "stores fewer bytes per vector.",
     ]

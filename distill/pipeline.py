@@ -40,7 +40,7 @@ from distill.phases import Phase, check_phase_sizes, make_phases
 from distill.report import check_output_dir, prepare_output_dir, results_table, write_results
 from distill.results import PhaseFigures, RunResults
 from distill.student import DistillationModel, build_student, check_declared_dimensions
-from distill.teacher import TeacherVectors, embed_with_teacher
+from distill.teacher import TeacherVectors, embed_with_teacher, teacher_dtype
 from distill.tracking import tracker_config
 
 logger = get_logger(__name__)
@@ -196,7 +196,8 @@ def finish(
     efficiency = None
     if costs is not None:
         with stage("cost"):
-            efficiency = measure_student(accelerator, deployable_model(model), teacher.cost, costs)
+            dtype = teacher_dtype(config.model.teacher_dtype, accelerator.device)  # both models alike
+            efficiency = measure_student(accelerator, deployable_model(model), teacher.cost, costs, dtype)
         results.efficiency = efficiency.to_dict()
     table = results_table(results.to_dict()) if evaluated else "(no evaluation set)"
     trade_off = trade_off_line(results.to_dict())

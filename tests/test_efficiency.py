@@ -152,3 +152,15 @@ def test_device_label_names_the_gpu():
 def test_device_label_names_the_cpu_and_its_threads():
     label = device_label(torch.device("cpu"))
     assert label.endswith(f"(CPU, {torch.get_num_threads()} threads)") and len(label) > len("(CPU, 1 threads)")
+
+
+def test_the_student_is_timed_in_the_teachers_dtype_and_left_as_it_was(accelerator, tiny_models):
+    from distill.efficiency import measure_student
+
+    student = SentenceTransformer(str(tiny_models["student"]), device="cpu")
+    texts = CostTexts(sentences(12, seed=5), sentences(5, seed=6), batch_size=4)
+    found = measure_student(accelerator, student, None, texts, dtype="bfloat16")
+    assert found.dtype == "bfloat16" and found.to_dict()["dtype"] == "bfloat16"
+    assert found.student.weights_bytes == weights_bytes(student)  # the exported float32 weights, not the copy's
+    assert all(p.dtype == torch.float32 for p in student.parameters())  # timed on a copy
+    assert "in bfloat16" in cost_table({"efficiency": found.to_dict()})
