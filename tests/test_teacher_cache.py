@@ -791,10 +791,10 @@ accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(time
 real_read, calls, real_sha, hashed = teacher_module.read_entry, [], hub.file_sha256, []
 
 
-def file_sha256(path):  # slow on rank 0: without the wait, rank 1 would hash the files meanwhile
+def file_sha256(path, **kwargs):  # slow on rank 0: without the wait, rank 1 would hash the files meanwhile
     hashed.append(str(path))
     time.sleep(0.5 if accelerator.process_index == 0 else 0)
-    return real_sha(path)
+    return real_sha(path, **kwargs)
 
 
 hub.file_sha256 = file_sha256
