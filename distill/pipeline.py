@@ -199,10 +199,11 @@ def finish(
             dtype = teacher_dtype(config.model.teacher_dtype, accelerator.device)  # both models alike
             efficiency = measure_student(accelerator, deployable_model(model), teacher.cost, costs, dtype)
         results.efficiency = efficiency.to_dict()
-    table = results_table(results.to_dict()) if evaluated else "(no evaluation set)"
-    trade_off = trade_off_line(results.to_dict())
+    figures = results.to_dict()
+    table = results_table(figures) if evaluated else "(no evaluation set)"
+    trade_off = trade_off_line(figures)
     if config.output.save_to_artifacts:
-        card = "\n\n".join(filter(None, [table, trade_off, cost_table(results.to_dict())]))
+        card = "\n\n".join(filter(None, [table, trade_off, cost_table(figures)]))
         exported = export_models(accelerator, model, config.output.artifacts_dir, to_flat_dict(config), card)
         results.exported = exported
         if efficiency is not None:

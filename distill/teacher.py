@@ -387,9 +387,12 @@ class TeacherCache:
     def loaded(self) -> bool:
         return self.teacher is not None
 
-    def cost(self, texts: CostTexts) -> ModelCost:
-        """The teacher's size and speed on this device: kept figures, else measured (loading it on this process)."""
-        costs = TeacherCosts(self.cache_dir, self.key(texts.passages, "document"), device_label(self.device), texts)
+    def cost(self, texts: CostTexts, key: str) -> ModelCost:
+        """The teacher's size and speed on this device: kept figures, else measured (loading it on this process).
+
+        `key` is `self.key(texts.passages, "document")`, made by every process beforehand (it can be collective).
+        """
+        costs = TeacherCosts(self.cache_dir, key, device_label(self.device), texts)
         cost = costs.get()
         if cost is None:
             teacher = self.teacher or self._load_here()
@@ -567,8 +570,8 @@ def embed_with_teacher(
     loaded = cache.loaded
     cost = None
     if cost_texts is not None:
-        cache.key(cost_texts.passages, "document")  # collective the first time: on every process, not inside
-        cost = main_decides(accelerator, lambda: cache.cost(cost_texts))
+        key = cache.key(cost_texts.passages, "document")  # collective the first time: on every process
+        cost = main_decides(accelerator, lambda: cache.cost(cost_texts, key))
     cache.release()
     release_freed_memory()  # the teacher's freed weights and activations go back to the OS
     if rows is not None and config.data.mine_hard_negatives and rows.shape[1] == 1:  # the data brings none

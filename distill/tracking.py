@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from accelerate.tracking import GeneralTracker, on_main_process
+from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker, on_main_process
 
 from distill.config import Config, to_flat_dict
 from distill.errors import DistillError
@@ -24,7 +24,7 @@ METRICS_FILE = "metrics.jsonl"
 # Accelerate's trackers (accelerate.tracking.LOGGER_TYPE_TO_CLASS) and the packages each needs, any one of them;
 # a name not listed needs the package of the same name.
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX")}
-ACCELERATE_TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio")
+ACCELERATE_TRACKERS = ("tensorboard", "wandb", *(n for n in LOGGER_TYPE_TO_CLASS if n not in ("tensorboard", "wandb")))
 TRACKER_NAMES = ("jsonl", *ACCELERATE_TRACKERS)
 
 
