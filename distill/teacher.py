@@ -371,15 +371,7 @@ class TeacherCache:
         if self.teacher is None:
             started = time.perf_counter()
             with self.accelerator.local_main_process_first():  # one download per machine
-                self.teacher = load_teacher(
-                    self.spec.path,
-                    self.accelerator.device,
-                    self.spec.revision,
-                    self.spec.trust_remote_code,
-                    self.spec.compute_dtype,
-                )
-            if self.spec.max_seq_length:
-                self.teacher.max_seq_length = self.spec.max_seq_length  # type: ignore[attr-defined]
+                self.teacher = self._load_here()
             self.load_seconds = time.perf_counter() - started
         return self.teacher
 
@@ -402,7 +394,7 @@ class TeacherCache:
         return cost
 
     def _load_here(self) -> SentenceTransformer:
-        """The teacher on this process alone (no barrier), as `_load` sets it up, not kept."""
+        """The teacher on this process alone (no barrier): `_load` keeps it, the cost stage measures it once."""
         spec = self.spec
         teacher = load_teacher(spec.path, self.device, spec.revision, spec.trust_remote_code, spec.compute_dtype)
         if spec.max_seq_length:
