@@ -219,9 +219,11 @@ def launch(launcher_argv: list[str]) -> int:
     try:
         launch_command(args)
     except ChildFailedError as e:
+        # torch elastic SIGTERMs the other ranks once one fails; those show up as -SIGTERM, a consequence
         codes = [failure.exitcode for failure in e.failures.values()]
-        if codes and set(codes) <= STOPS_THAT_SAY_WHY:
-            return codes[0]
+        stops = [code for code in codes if code in STOPS_THAT_SAY_WHY]
+        if stops and set(codes) <= STOPS_THAT_SAY_WHY | {-signal.SIGTERM}:
+            return stops[0]
         raise
     return 0
 
