@@ -37,7 +37,7 @@ cuda="$("$python" -c 'import torch
 n = torch.cuda.device_count()
 print(n, min((torch.cuda.get_device_capability(i)[0] for i in range(n)), default=0))')"
 read -r gpus capability <<<"$cuda"
-launch=(-m distill.distributed)  # accelerate launch; a bad input ends on its own error line
+launch=(-m distill.launch)  # checks the inputs, then accelerate launch; a bad input ends on one error line
 if [[ -n "${ACCELERATE_CONFIG:-}" ]]; then  # optional topology file, e.g. accelerate_configs/multi_gpu.yaml
     if [[ ! -f "$ACCELERATE_CONFIG" ]]; then
         echo "error: ACCELERATE_CONFIG '$ACCELERATE_CONFIG' does not exist; pass one of accelerate_configs/*.yaml" >&2
@@ -54,6 +54,8 @@ print(config_file_topology(sys.argv[1])[0])' "$ACCELERATE_CONFIG")"
     launch+=(--config_file "$ACCELERATE_CONFIG")
 fi
 launch+=(--num_machines 1 --num_processes "$num_gpus")
+# a free port, so two runs on this machine do not collide on 29500 (a config file's own port holds)
+if [[ -z "${ACCELERATE_CONFIG:-}" ]]; then launch+=(--main_process_port 0); fi
 if ((gpus > 0)); then
     if ((num_gpus > gpus)); then
         echo "error: asked for $num_gpus GPUs but $gpus are visible; pass at most $gpus or set CUDA_VISIBLE_DEVICES" >&2

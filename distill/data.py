@@ -23,6 +23,7 @@ from accelerate.logging import get_logger
 from distill import embedded
 from distill.config import DataConfig
 from distill.errors import DistillError
+from distill.hub import BAR_BYTES, bytes_bar
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -307,32 +308,51 @@ def iter_records(source: str) -> Iterator[dict[str, Any]]:
     A Hub dataset is `NAME` or `NAME:SUBSET` (its `train` split). Rows are converted in chunks, so a
     capped phase reads only as many as it keeps.
     """
+    path, subset = resolve_source(source)
+    if path.is_dir():  # a folder written by save_to_disk, or of data files (parquet shards, ...)
+        saved = any((path / f).is_file() for f in ("state.json", "dataset_dict.json"))
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        dataset = _load_dataset(str(path), source, saved and not subset, size < BAR_BYTES, **subset)
+    elif path.is_file():
+        fmt = LOCAL_FORMATS[path.suffix.lower()]
+        if fmt == "text":
+            return ({"text": line} for line in _text_lines(path, source))
+        dataset = _load_dataset(fmt, source, quiet=path.stat().st_size < BAR_BYTES, data_files=str(path))
+    else:  # from the Hub: its download and preparation bars show
+        dataset = _load_dataset(str(path), source, False, False, **subset)
+    return (row for start in range(0, len(dataset), CHUNK_ROWS) for row in _chunk(dataset, start))
+
+
+def resolve_source(source: str) -> tuple[Path, dict[str, str]]:
+    """(path, subset) of a data source: a local file or folder, else a Hub dataset name (`NAME` or `NAME:SUBSET`).
+
+    A local file of an unsupported format, or a path that looks local (a known extension, or starting with
+    `.`, `/` or `~`) and does not exist, is an error here: no model is needed to find out, so the command line
+    asks this before it starts any process.
+    """
     path, subset = Path(source).expanduser(), {}
     if not path.exists() and ":" in source:  # NAME:SUBSET, a Hub dataset or a local folder with subsets
         name, subset_name = source.rsplit(":", 1)
         path, subset = Path(name).expanduser(), {"name": subset_name}
+    if path.is_file() and path.suffix.lower() not in LOCAL_FORMATS:
+        raise DistillError(
+            f"data file {source!r} has an unsupported extension {path.suffix!r}; use one of {', '.join(LOCAL_FORMATS)}"
+        )
     looks_local = path.suffix.lower() in LOCAL_FORMATS or source.startswith((".", "/", "~"))
-    if path.is_dir():  # a folder written by save_to_disk, or of data files (parquet shards, ...)
-        saved = any((path / f).is_file() for f in ("state.json", "dataset_dict.json"))
-        dataset = _load_dataset(str(path), source, from_disk=saved and not subset, **subset)
-    elif path.is_file():
-        fmt = LOCAL_FORMATS.get(path.suffix.lower())
-        if fmt is None:
-            raise DistillError(
-                f"data file {source!r} has an unsupported extension {path.suffix!r}; "
-                f"use one of {', '.join(LOCAL_FORMATS)}"
-            )
-        if fmt == "text":
-            return ({"text": line} for line in _text_lines(path, source))
-        dataset = _load_dataset(fmt, source, data_files=str(path))
-    elif looks_local:
+    if looks_local and not path.exists():
         raise DistillError(
             f"data file {source!r} does not exist; pass an existing .jsonl/.json/.csv/.parquet/.txt file "
             "or dataset folder, a Hub dataset name, or 'embedded'"
         )
-    else:
-        dataset = _load_dataset(str(path), source, False, **subset)
-    return (row for start in range(0, len(dataset), CHUNK_ROWS) for row in _chunk(dataset, start))
+    return path, subset
+
+
+def check_sources(config: DataConfig, need_phase1: bool, need_phase2: bool) -> None:
+    """The data paths a run reads exist and have a known format (what `load_data` would find first)."""
+    needed = [(need_phase1, config.phase1_data), (need_phase2 or config.eval_data == "auto", config.phase2_data)]
+    for needed_here, source in needed:
+        if needed_here and source != EMBEDDED:
+            resolve_source(source)
 
 
 def _chunk(dataset: Dataset, start: int) -> list[dict[str, Any]]:
@@ -343,8 +363,8 @@ def _text_lines(path: Path, source: str) -> Iterator[str]:
     """The lines of a UTF-8 text file, read one at a time (`str.splitlines` of each, so the same lines as the
     whole file's `splitlines`): memory holds the texts kept, not the file, and a capped phase stops reading early.
     """
-    with open(path, "rb") as f:
-        offset = 0
+    with open(path, "rb") as f, bytes_bar(path.stat().st_size, f"reading {path.name}") as bar:
+        offset = shown = 0
         for raw in f:
             try:
                 line = raw.decode("utf8")
@@ -354,14 +374,22 @@ def _text_lines(path: Path, source: str) -> Iterator[str]:
                     f"to UTF-8, e.g. iconv -f latin1 -t utf-8 {source} > utf8.txt"
                 ) from None
             offset += len(raw)
+            if offset - shown >= 1 << 20:  # the bar moves by the MiB, not by the line
+                bar.update(offset - shown)
+                shown = offset
             yield from line.splitlines()
+        bar.update(offset - shown)  # read to the end
 
 
-def _load_dataset(path: str, source: str, from_disk: bool = False, **kwargs: Any) -> Dataset:
+def _load_dataset(path: str, source: str, from_disk: bool = False, quiet: bool = True, **kwargs: Any) -> Dataset:
+    """The train split; `quiet` off shows datasets' own bars (a download, a large file converted to Arrow)."""
     import datasets
     from datasets.exceptions import DatasetGenerationError
 
-    datasets.disable_progress_bars()
+    if quiet:
+        datasets.disable_progress_bars()
+    else:
+        datasets.enable_progress_bars()
     try:
         if from_disk:
             loaded = datasets.load_from_disk(path)

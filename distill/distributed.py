@@ -119,11 +119,11 @@ def relaunch_command(
 ) -> tuple[list[str], dict[str, str]]:
     """The `accelerate launch` command and environment that run this module on `num_processes` processes."""
     env = dict(os.environ, **{RELAUNCHED: "1"})
-    command = [sys.executable, "-m", "distill.distributed"]  # accelerate launch, without its summary of our stops
+    command = [sys.executable, "-m", "distill.launch"]  # checks the inputs, then accelerate launch (quiet on our stops)
     if accelerate_config:  # the file names one machine (checked in maybe_relaunch)
         command += ["--config_file", accelerate_config]
-    else:
-        command += ["--num_machines", "1"]
+    else:  # one machine: a free port, so two runs on it do not collide on 29500
+        command += ["--num_machines", "1", "--main_process_port", "0"]
     command += ["--num_processes", str(num_processes)]
     if num_processes > 1:
         command += ["--multi_gpu"]
@@ -406,7 +406,3 @@ def lost_a_peer(error: BaseException) -> str | None:
     if not isinstance(error, torch.distributed.DistError) and not any(words in text for words in PEER_GONE):
         return None
     return first_sentences(re.sub(r"^\[[^\]]*\]\s*", "", text), 1, 200)  # without gloo's [source file:line]
-
-
-if __name__ == "__main__":  # python -m distill.distributed [accelerate launch arguments]: relaunch and run_ddp.sh
-    sys.exit(launch(sys.argv[1:]))

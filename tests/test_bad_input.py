@@ -154,20 +154,54 @@ def test_unknown_offline_teacher_prints_only_its_error(tiny_models, tiny_data, t
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case", ["missing data file", "output folder that is not writable"])
-def test_bad_input_on_two_processes_prints_one_error_line(case, tiny_models, tiny_data, tmp_path):
-    """Every rank stops (none hangs in a collective) and only one prints the error."""
-    make_overrides, pattern = CASES[case]
+def test_bad_input_on_two_processes_prints_one_error_line(tiny_models, tiny_data, tmp_path):
+    """Under a launch the user typed, every rank meets the bad input: all stop (none hangs in a collective) and one
+    prints the error."""
+    make_overrides, pattern = CASES["output folder that is not writable"]
     out = tmp_path / "out"
-    overrides = {"teacher_cache_dir": tmp_path / "cache", **make_overrides(tiny_models, tiny_data, tmp_path)}
-    flags = tiny_run_flags(tiny_models, tiny_data, out, num_processes=2, **overrides)
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    flags = tiny_run_flags(tiny_models, tiny_data, out, **make_overrides(tiny_models, tiny_data, tmp_path))
+    launcher = ["-m", "accelerate.commands.launch", "--num_machines", "1", "--num_processes", "2", "--multi_gpu"]
+    launcher += ["--main_process_port", "0"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", ACCELERATE_USE_CPU="true", PYTHONPATH=str(REPO))
     done = subprocess.run(
-        [sys.executable, "-m", "distill.train", *flags], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, *launcher, "-m", "distill.train", *flags],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode != 0
     ours = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert len(ours) == 1 and re.search(pattern, ours[0]), done.stderr[-3000:]
+    assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("form", "case"),
+    [
+        ("relaunch", "missing data file"),
+        ("relaunch", "output folder that is not writable"),
+        ("run_ddp.sh", "zero learning rate"),
+        ("run_ddp.sh", "wrong extension"),
+    ],
+)
+def test_the_launcher_checks_the_inputs_before_any_process_starts(form, case, tiny_models, tiny_data, tmp_path):
+    """What needs no model stops the run in the process that would start the others: one line, exit 2."""
+    make_overrides, pattern = CASES[case]
+    out = tmp_path / "out"
+    flags = tiny_run_flags(tiny_models, tiny_data, out, **make_overrides(tiny_models, tiny_data, tmp_path))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO), PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
+    if form == "relaunch":
+        command = [sys.executable, "-m", "distill.train", "--num_processes", "2", *flags]
+    else:
+        command = ["bash", str(REPO / "run_ddp.sh"), "2", "True", *flags]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and re.search(pattern, lines[-1]), done.stderr[-3000:]
+    assert [line for line in lines if line.startswith("error: ")] == [lines[-1]]
+    assert "Traceback" not in done.stderr and "torch.distributed" not in done.stderr  # no launcher, no rank
     assert not out.exists() or not any(out.iterdir())
 
 
@@ -286,8 +320,10 @@ def test_only_a_lost_peer_is_reported_as_one(monkeypatch):
 
 @pytest.mark.multiprocess
 def test_bad_input_under_the_relaunch_ends_on_its_error_line(tiny_models, tiny_data, tmp_path):
-    """`--num_processes 2` relaunches through accelerate launch: one error line, no launcher traceback, exit 2."""
-    flags = tiny_run_flags(tiny_models, tiny_data, tmp_path / "out", phase1_data=tmp_path / "missing.jsonl")
+    """A bad input only the ranks find (the data's rows): one error line, no launcher traceback, exit 2."""
+    make_overrides, pattern = CASES["only empty or non-string texts"]
+    overrides = make_overrides(tiny_models, tiny_data, tmp_path)
+    flags = tiny_run_flags(tiny_models, tiny_data, tmp_path / "out", **overrides)
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
     done = subprocess.run(
         [sys.executable, "-m", "distill.train", "--num_processes", "2", *flags],
@@ -299,10 +335,7 @@ def test_bad_input_under_the_relaunch_ends_on_its_error_line(tiny_models, tiny_d
     )
     assert done.returncode == 2, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
-    assert errors == [
-        f"error: data file '{tmp_path / 'missing.jsonl'}' does not exist; pass an existing "
-        ".jsonl/.json/.csv/.parquet/.txt file or dataset folder, a Hub dataset name, or 'embedded'"
-    ]
+    assert len(errors) == 1 and re.search(pattern, errors[0]), done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
     out = tmp_path / "out"
     assert not out.exists() or not any(out.iterdir())  # a rank stopped mid-probe may leave the empty folder

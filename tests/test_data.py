@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -487,6 +488,32 @@ def test_a_capped_text_file_is_read_only_as_far_as_it_keeps(tmp_path: Path) -> N
     assert load_phase1_texts(str(path), 20_000)[-1] == "sentence 19999"  # the bad last line is never read
     with pytest.raises(DistillError, match=r"not UTF-8 text \(invalid continuation byte at byte 289043\)"):
         load_phase1_texts(str(path), 20_011)
+
+
+def test_a_large_data_file_is_read_under_a_bar(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Above the bar's threshold (256 MiB; 0 here) a text file shows a bar in bytes, and datasets' own bars show
+    for the other formats; below it reading is silent."""
+    import datasets
+
+    import distill.hub
+
+    lines = [f"sentence number {i} of a long corpus" for i in range(60_000)]
+    text = tmp_path / "big.txt"
+    text.write_text("\n".join(lines) + "\n")
+    rows = tmp_path / "big.jsonl"
+    rows.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines[:50]))
+    assert load_phase1_texts(str(text), 100_000) == lines and load_phase1_texts(str(rows), 100) == lines[:50]
+    assert capsys.readouterr().err == "" and not datasets.is_progress_bar_enabled()
+    monkeypatch.setattr(distill.hub, "BAR_BYTES", 0)
+    monkeypatch.setattr(data_module, "BAR_BYTES", 0)
+    assert load_phase1_texts(str(text), 100_000) == lines
+    assert re.search(r"reading big\.txt: 100%.*\| 2\.\d+M/2\.\d+M \[", capsys.readouterr().err)
+    fresh = tmp_path / "fresh.jsonl"  # not in datasets' cache: converted to Arrow again, under its bar
+    fresh.write_bytes(rows.read_bytes())
+    assert load_phase1_texts(str(fresh), 100) == lines[:50] and datasets.is_progress_bar_enabled()
+    assert "Generating train split" in capsys.readouterr().err
 
 
 def test_local_dataset_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

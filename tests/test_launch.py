@@ -28,7 +28,7 @@ def test_strip_flag_removes_both_spellings():
 def test_relaunch_command_runs_this_module_on_n_processes_without_the_flag(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     command, env = relaunch_command(4, ["--num_processes", "4", "--batch_size", "2"])
-    assert command[1:3] == ["-m", "distill.distributed"]  # accelerate launch, quiet about stops that say why
+    assert command[1:3] == ["-m", "distill.launch"]  # checks the inputs, then accelerate launch
     assert command[command.index("--num_processes") + 1] == "4"
     assert command[-4:] == ["-m", "distill.train", "--batch_size", "2"]
     assert env["ACCELERATE_USE_CPU"] == "true" and env[RELAUNCHED] == "1"
@@ -109,7 +109,7 @@ FAKE_PYTHON = """#!/usr/bin/env bash
 # stands in for the venv's python: reports FAKE_CUDA as (GPUs, compute capability) and prints the launch
 if [[ "$1" == "-c" && "$2" == *get_device_capability* ]]; then echo "$FAKE_CUDA"; exit 0; fi
 if [[ "$1" == "-c" && "$2" == *device_count* ]]; then echo "${{FAKE_CUDA%% *}}"; exit 0; fi  # the count alone
-if [[ "$1" == "-m" && "$2" == "distill.distributed" ]]; then shift 2; echo "LAUNCH $*"; exit 0; fi
+if [[ "$1" == "-m" && "$2" == "distill.launch" ]]; then shift 2; echo "LAUNCH $*"; exit 0; fi
 exec {python} "$@"
 """
 

@@ -1,0 +1,47 @@
+"""`python -m distill.launch [accelerate launch arguments] -m distill.train [flags]`: how distill starts its processes.
+
+distill relaunches itself through this module (`--num_processes N`, `--accelerate_config FILE`) and run_ddp.sh
+calls it. It first checks what needs no model (the flags, the --config file, the data paths, the output folder),
+so a bad input ends on one `error:` line before any process starts, then runs `accelerate launch`
+(`distill.distributed.launch`). Every process checks the same again: under a launcher the user typed, they are
+the first to see the flags.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from distill.config import Config, load_config
+from distill.errors import DistillError
+
+
+def check_inputs(config: Config) -> None:
+    """The data paths a run reads and its output folder (a fresh run's must hold no checkpoints), without a model."""
+    from distill.checkpoint import resume_requested
+    from distill.data import check_sources
+    from distill.report import probe_output_dir
+
+    training = config.training
+    check_sources(config.data, not training.skip_phase1, not training.skip_phase2)
+    probe_output_dir(Path(config.output.output_dir).expanduser(), fresh=not resume_requested(config))
+
+
+def main(launcher_argv: list[str]) -> int:
+    """Check the training flags after `-m distill.train`, then launch; the exit code (2: a bad input)."""
+    from accelerate.commands.launch import launch_command_parser
+
+    from distill.distributed import launch
+
+    args = launch_command_parser().parse_args(launcher_argv)
+    if args.module and args.training_script == "distill.train":
+        try:
+            check_inputs(load_config(args.training_script_args))
+        except DistillError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    return launch(launcher_argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
