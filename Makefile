@@ -44,8 +44,11 @@ demo: $(ALLOCATOR)
 quality: $(ALLOCATOR)
 	$(PRELOAD) $(BIN)/python bench/quality.py --config configs/demo.yaml
 
+# Two pytest-xdist workers, one thread each (tests/conftest.py): most tests start processes that spend
+# seconds importing torch and sentence-transformers on one core. TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 # The edit-and-test loop: the unit tests, without end-to-end runs or multi-process launches.
 test-fast: $(STAMP)

@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import string
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two workers on a 2-core machine: one thread each (and in each process a test starts), or
+    # their OpenMP threads spin against each other and a tiny run takes 8x as long
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
 # Started in the background of a shell without job control (`make test &` in a script), the suite inherits SIGINT
 # ignored, and so would every process it starts; distill keeps an ignored SIGINT ignored (such a run is not meant to
 # stop on Ctrl-C), so the tests that send SIGINT need Python's own handler back. A terminal or CI start has it already.
@@ -104,15 +111,38 @@ def build_tiny_decoder(folder: Path, seed: int = 4) -> Path:
     return save_sentence_transformer(raw, "lasttoken")
 
 
+def shared_folder(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], object]) -> Path:
+    """A folder `make` fills once per test session: under pytest-xdist, by the first worker that asks, while the
+    others wait for it (a file lock) and then read it. Runs compared against by several tests, and the tiny
+    models they name by path (a checkpoint or a teacher cache entry records the path), are made this way."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the session's folder, above each worker's own
+    folder = base / name
+    with FileLock(str(base / f"{name}.lock")):
+        if not (folder / ".made").is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            make(folder)
+            (folder / ".made").touch()
+    return folder
+
+
+TINY_MODELS = {"teacher": (48, 2, 1), "student": (32, 4, 2), "wide_student": (64, 2, 3)}  # hidden, layers, seed
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """{'teacher': 48-d 2-layer, 'student': 32-d 4-layer, 'wide_student': 64-d 2-layer} model folders."""
-    root = tmp_path_factory.mktemp("tiny_models")
-    return {
-        "teacher": build_tiny_model(root / "teacher", hidden=48, layers=2, seed=1),
-        "student": build_tiny_model(root / "student", hidden=32, layers=4, seed=2),
-        "wide_student": build_tiny_model(root / "wide", hidden=64, layers=2, seed=3),
-    }
+
+    def make(root: Path) -> None:
+        for name, (hidden, layers, seed) in TINY_MODELS.items():
+            build_tiny_model(root / name, hidden=hidden, layers=layers, seed=seed)
+
+    root = shared_folder(tmp_path_factory, "tiny_models", make)
+    return {name: root / name / "st" for name in TINY_MODELS}
 
 
 def sentences(count: int, seed: int = 0) -> list[str]:
@@ -125,15 +155,16 @@ def sentences(count: int, seed: int = 0) -> list[str]:
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> dict[str, Path]:
     """Phase-1 texts (.txt) and phase-2 pairs with one hard negative (.jsonl)."""
-    root = tmp_path_factory.mktemp("tiny_data")
-    texts = root / "texts.txt"
-    texts.write_text("\n".join(sentences(256, seed=1)) + "\n")
-    pairs = root / "pairs.jsonl"
-    queries, passages, negatives = sentences(160, 2), sentences(160, 3), sentences(160, 4)
-    with open(pairs, "w") as out:
-        for q, p, n in zip(queries, passages, negatives):
-            out.write(json.dumps({"query": q, "passage": p + " " + q, "negative": n}) + "\n")
-    return {"texts": texts, "pairs": pairs}
+
+    def make(root: Path) -> None:
+        (root / "texts.txt").write_text("\n".join(sentences(256, seed=1)) + "\n")
+        queries, passages, negatives = sentences(160, 2), sentences(160, 3), sentences(160, 4)
+        with open(root / "pairs.jsonl", "w") as out:
+            for q, p, n in zip(queries, passages, negatives):
+                out.write(json.dumps({"query": q, "passage": p + " " + q, "negative": n}) + "\n")
+
+    root = shared_folder(tmp_path_factory, "tiny_data", make)
+    return {"texts": root / "texts.txt", "pairs": root / "pairs.jsonl"}
 
 
 def tiny_run_flags(tiny_models: dict[str, Path], tiny_data: dict[str, Path], out: Path, **overrides) -> list[str]:
@@ -206,6 +237,18 @@ def _runs_the_pipeline(item: pytest.Item) -> bool:
         if any(call in source for call in PIPELINE_CALLS):
             return True
     return False
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Import the libraries every test process uses, then freeze the garbage collector's view of them: the
+    pipeline's `gc.collect()` between stages then walks what the tests made, not torch's and transformers'
+    objects (half a second a call, three calls a run, here)."""
+    import gc
+
+    import sentence_transformers  # noqa: F401
+    import torch  # noqa: F401
+
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import reset_accelerate, tiny_run_flags
+from conftest import reset_accelerate, shared_folder, tiny_run_flags
 from distill.checkpoint import TrainingState, find_checkpoint, list_checkpoints, read_state
 from distill.errors import DistillError
 
@@ -132,39 +132,75 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(tiny_models, tiny_data, tmp_path_factory) -> dict[int, dict[str, torch.Tensor]]:
-    """Uninterrupted runs on 1 and 2 processes, to compare interrupted ones with."""
-    root = tmp_path_factory.mktemp("reference")
-    found = {}
-    for n in (1, 2):
-        out = root / f"n{n}"
-        finish(command(n, flags(tiny_models, tiny_data, out, root / "cache")))
-        found[n] = weights(out)
-    return found
+    """Uninterrupted runs on 1 and 2 processes, to compare interrupted ones with (made once per session)."""
+
+    def make(root: Path) -> None:
+        for n in (1, 2):
+            finish(command(n, flags(tiny_models, tiny_data, root / f"n{n}", root / "cache")))
+
+    root = shared_folder(tmp_path_factory, "reference", make)
+    return {n: weights(root / f"n{n}") for n in (1, 2)}
+
+
+def interrupt(process: subprocess.Popen, how: str, out: Path, phase: str) -> str:
+    """Interrupt a run once it has a checkpoint of `phase` (newer than those it started with); its stderr.
+
+    how: "kill" SIGKILLs the launcher's whole group, with no chance to clean up (the ranks of a multi-process
+    launch, which torch elastic starts in sessions of their own, stop on their parent-death SIGTERM and
+    checkpoint); "term" / "int" send SIGTERM / SIGINT to a single-process run, or to the last rank only.
+    """
+    before = set(list_checkpoints(out / "checkpoints"))
+    deadline = time.monotonic() + 300
+    while not [
+        p for p in set(list_checkpoints(out / "checkpoints")) - before if p.name.startswith(f"checkpoint-{phase}")
+    ]:
+        if process.poll() is not None:
+            pytest.fail(f"the run ended before a new {phase} checkpoint appeared:\n{process.stderr.read()[-3000:]}")
+        assert time.monotonic() < deadline, f"no new {phase} checkpoint within 300 s"
+        time.sleep(0.02)
+    workers = training_processes(process)
+    if how == "kill":
+        os.killpg(process.pid, signal.SIGKILL)
+        stderr, alive = outlived_by(process, workers)
+        assert not alive, f"ranks still running after their launcher was killed: {alive}"
+        return stderr
+    stop = {"term": signal.SIGTERM, "int": signal.SIGINT}[how]
+    (workers[-1] if workers else psutil.Process(process.pid)).send_signal(stop)
+    _, stderr = process.communicate(timeout=300)
+    exit_code = {"term": 143, "int": 130}[how]
+    assert process.returncode == exit_code if not workers else process.returncode != 0, stderr[-3000:]
+    assert f"stopped by {stop.name} in {phase}" in stderr and "--resume_from_checkpoint latest" in stderr
+    assert set(list_checkpoints(out / "checkpoints")) - before, "no checkpoint was written on the way out"
+    return stderr
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("num_processes", [1, 2])
-@pytest.mark.parametrize("phase", ["phase1", "phase2"])
-def test_sigkill_then_resume_reaches_the_uninterrupted_weights(
-    num_processes, phase, reference, tiny_models, tiny_data, tmp_path
+@pytest.mark.parametrize(
+    ("num_processes", "first", "second"), [(1, "kill", "int"), (2, "term", "kill")], ids=["1-process", "2-processes"]
+)
+def test_stopped_in_both_phases_then_resumed_reaches_the_uninterrupted_weights(
+    num_processes, first, second, reference, tiny_models, tiny_data, tmp_path
 ):
-    out = tmp_path / "killed"
+    """Stopped in phase 1, resumed, stopped again in phase 2, resumed: the weights of a run never interrupted.
+
+    Each stop is of another kind. One process: SIGKILL (nothing saved on the way out: the resume starts from the
+    last periodic checkpoint), then a Ctrl-C (finish the step, checkpoint, exit 130). Two processes: SIGTERM to
+    one rank only (the stop flag travels in the per-batch loss reduction, so the other rank stops at the same step
+    and rank 0 says so), then SIGKILL to the launcher (its ranks stop on their parent-death SIGTERM, with a
+    checkpoint). Both phases keep a moving average and phase 2 a passage memory, which a resume must restore.
+    """
+    out = tmp_path / "stopped"
     argv = flags(tiny_models, tiny_data, out, tmp_path / "cache")
-    process = start(command(num_processes, argv))
-    checkpoint = wait_for_checkpoint(out, phase, process)
-    workers = training_processes(process)
-    os.killpg(process.pid, signal.SIGKILL)  # the launcher, with no chance to clean up
-    # torch elastic starts each rank in its own session (start_new_session), out of reach of killpg; the
-    # parent-death signal (distill.distributed.stop_with_the_launcher) stops them as on SIGTERM: checkpoint, exit 143
-    stderr, alive = outlived_by(process, workers)
-    assert not alive, f"ranks still running after their launcher was killed: {alive}"
+    resume = [*argv, "--resume_from_checkpoint", "latest"]
+    interrupt(start(command(num_processes, argv)), first, out, "phase1")  # 2 processes: rank 0 says it stopped
+    stderr = interrupt(start(command(num_processes, resume)), second, out, "phase2")
+    assert "resuming from" in stderr and "checkpoint-phase1" in stderr
     if num_processes > 1:  # a launcher died: its ranks stopped by themselves, with a checkpoint
-        assert "stopped by SIGTERM in phase" in stderr, stderr[-3000:]
-    assert not (out / "results.json").exists(), "the run finished before it was killed"
-    assert checkpoint.is_dir()
-    finish(command(num_processes, [*argv, "--resume_from_checkpoint", "latest"]))
+        assert "stopped by SIGTERM in phase2" in stderr, stderr[-3000:]
+    assert not (out / "results.json").exists(), "the run finished before it was stopped"
+    finish(command(num_processes, resume))
     assert max_difference(weights(out), reference[num_processes]) <= 1e-6
     assert json.loads((out / "results.json").read_text())["world_size"] == num_processes
 
@@ -257,47 +293,7 @@ def test_a_first_sigint_is_noted_and_a_second_interrupts_at_once():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("stop", "exit_code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["TERM", "INT"])
-def test_sigterm_saves_a_checkpoint_and_exits_then_latest_continues(
-    stop, exit_code, reference, tiny_models, tiny_data, tmp_path
-):
-    """SIGTERM (preemption) and a first Ctrl-C alike: finish the step, write a checkpoint, exit 143 / 130."""
-    out = tmp_path / "preempted"
-    argv = flags(tiny_models, tiny_data, out, tmp_path / "cache")
-    process = start(command(1, argv))
-    wait_for_checkpoint(out, "phase1", process)
-    process.send_signal(stop)
-    _, stderr = process.communicate(timeout=120)
-    assert process.returncode == exit_code, stderr[-3000:]
-    assert f"stopped by {stop.name} in phase" in stderr and "--resume_from_checkpoint latest" in stderr
-    finish(command(1, [*argv, "--resume_from_checkpoint", "latest"]))
-    assert max_difference(weights(out), reference[1]) <= 1e-6
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
-def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(stop, reference, tiny_models, tiny_data, tmp_path):
-    """The stop flags travel in the per-batch loss reduction: rank 0 stops too, and the checkpoint resumes."""
-    out = tmp_path / "preempted-rank"
-    argv = flags(tiny_models, tiny_data, out, tmp_path / "cache")
-    process = start(command(2, argv))
-    wait_for_checkpoint(out, "phase1", process)
-    workers = training_processes(process)
-    assert len(workers) == 2
-    before = set(list_checkpoints(out / "checkpoints"))
-    workers[-1].send_signal(stop)  # one rank only; the launcher and the other rank get nothing
-    _, stderr = process.communicate(timeout=300)
-    assert process.returncode != 0
-    assert f"stopped by {stop.name} in phase" in stderr  # printed by rank 0 only: it stopped too
-    saved = [p for p in list_checkpoints(out / "checkpoints") if p not in before]
-    assert saved, "no checkpoint was written on the way out"
-    assert not (out / "results.json").exists()
-    finish(command(2, [*argv, "--resume_from_checkpoint", "latest"]))
-    assert max_difference(weights(out), reference[2]) <= 1e-6
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
+@pytest.mark.parametrize("rendezvous", ["static"])  # accelerate's default; c10d shares the store alike
 def test_elastic_restart_resumes_after_one_rank_dies(rendezvous, reference, tiny_models, tiny_data, tmp_path):
     """Under --max_restarts, a rank killed mid-run makes the group restart and pick up the latest checkpoint.
 
@@ -464,14 +460,15 @@ def short_run_flags(tiny_models, tiny_data, out: Path, cache: Path, **extra) -> 
     return tiny_run_flags(tiny_models, tiny_data, out, **{**settings, **extra})
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def evaluated_run(tiny_models, tiny_data, tmp_path_factory) -> Path:
     from distill.train import main
 
-    root = tmp_path_factory.mktemp("evaluated")
-    assert main(short_run_flags(tiny_models, tiny_data, root / "run", root / "cache")) == 0
-    reset_accelerate()
-    return root / "run"
+    def make(root: Path) -> None:
+        assert main(short_run_flags(tiny_models, tiny_data, root / "run", root / "cache")) == 0
+        reset_accelerate()
+
+    return shared_folder(tmp_path_factory, "evaluated", make) / "run"
 
 
 @pytest.mark.parametrize(("stop", "exit_code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["TERM", "INT"])

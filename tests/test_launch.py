@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,8 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_run_flags
-from distill.allocator import find_tcmalloc
 from distill.distributed import RELAUNCHED, launch, maybe_relaunch, relaunch_command, strip_flag
 from distill.errors import DistillError
 
@@ -142,28 +139,6 @@ def test_run_ddp_picks_the_mixed_precision_the_gpus_have(tmp_path, cuda, config,
     else:
         assert "--mixed_precision" not in launch and "--config_file" in launch
     assert ("no native bf16: training in fp16" in done.stderr) == note
-
-
-@pytest.mark.multiprocess
-def test_run_ddp_without_gpus_runs_cpu_processes(tiny_models, tiny_data, tmp_path):
-    out = tmp_path / "run_ddp"
-    flags = tiny_run_flags(tiny_models, tiny_data, out, skip_phase2=True, eval_data="none")
-    env = dict(os.environ, PYTHON=sys.executable, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
-    env.pop("DISTILL_ALLOCATOR", None)
-    env.pop("LD_PRELOAD", None)
-    done = subprocess.run(
-        ["bash", str(REPO / "run_ddp.sh"), "2", "False", *flags],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert "no CUDA GPU found" in done.stderr
-    results = json.loads((out / "results.json").read_text())
-    assert results["world_size"] == 2 and results["mode"] == "matryoshka"
-    # LD_PRELOAD reached the rank through accelerate launch
-    assert results["heap_allocator"] == ("tcmalloc" if find_tcmalloc() else "glibc")
 
 
 RESTARTED_WORKER = """

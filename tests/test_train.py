@@ -22,8 +22,8 @@ from sentence_transformers.sentence_transformer.evaluation import (
     InformationRetrievalEvaluator,
 )
 
-from conftest import build_tiny_decoder, reset_accelerate, tiny_run_flags
-from distill.allocator import heap_allocator
+from conftest import build_tiny_decoder, reset_accelerate, shared_folder, tiny_run_flags
+from distill.allocator import find_tcmalloc, heap_allocator
 from distill.config import load_config
 from distill.data import load_data
 from distill.efficiency import trade_off_line
@@ -43,14 +43,6 @@ def launch(args: list[str], timeout: int = 600, **env: str) -> subprocess.Comple
     done = subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     return done
-
-
-def accelerate_launch(num_processes: int, flags: list[str]) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(num_processes)]
-    command += ["--num_machines", "1", "--main_process_port", "0"]
-    if num_processes > 1:
-        command.append("--multi_gpu")
-    return launch([*command, "-m", "distill.train", *flags])
 
 
 def exported_weights(out: Path) -> dict[str, torch.Tensor]:
@@ -269,6 +261,10 @@ def test_shipped_minilm_on_embedded_data_gets_closer_to_the_teacher(tmp_path):
         "1",
         "--max_eval_queries",
         "200",
+        "--max_seq_length",  # the evaluation corpus is the 867 passages of the held-out articles, encoded 4 times
+        "64",
+        "--efficiency_texts",
+        "64",
     ]
     assert main(flags) == 0
     results = results_of(out)
@@ -283,20 +279,13 @@ def test_shipped_minilm_on_embedded_data_gets_closer_to_the_teacher(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_two_cpu_processes_through_accelerate_launch(tiny_models, tiny_data, tmp_path):
-    out = tmp_path / "ddp"
-    accelerate_launch(2, tiny_run_flags(tiny_models, tiny_data, out, save_to_artifacts=True))
-    results = results_of(out)
-    assert results["world_size"] == 2  # a real process group, not two lone trainings
-    assert results["phases"]["phase2"]["train_samples"] > 0
-
-
-@pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    ("use_projection", "accumulation"), [(True, 1), (False, 2)], ids=["projection", "matryoshka-accumulating"]
+    ("use_projection", "accumulation", "form"),
+    [(True, 1, "relaunch"), (False, 2, "run_ddp.sh")],
+    ids=["projection-relaunch", "matryoshka-accumulating-run_ddp"],
 )
 def test_two_processes_match_one_process_with_twice_the_batch(
-    tiny_models, tiny_data, tmp_path, use_projection, accumulation
+    tiny_models, tiny_data, tmp_path, use_projection, accumulation, form
 ):
     """2 processes x batch 4 follow 1 process x batch 8 (losses, weights), both phases, every loss, both modes.
 
@@ -305,6 +294,10 @@ def test_two_processes_match_one_process_with_twice_the_batch(
     teacher basis computed on the main process reaches every process. The Matryoshka runs accumulate 2 batches a
     step, so DDP's skipped all-reduces, the gathers between them and the memory's one entry per step are covered
     too (measured: the backbones end 0.002% of their movement apart, every loss within 4e-8).
+
+    The two processes start the ways distill starts them itself: `python -m distill.train --num_processes 2`
+    (which must not run on one process) and `./run_ddp.sh 2 False` (without a GPU: CPU processes over gloo that
+    say so, on tcmalloc when it is installed).
     """
     two, one = tmp_path / "two", tmp_path / "one"
     common = {
@@ -316,9 +309,23 @@ def test_two_processes_match_one_process_with_twice_the_batch(
         "use_projection": use_projection,
         "gradient_accumulation_steps": accumulation,
     }
-    accelerate_launch(2, tiny_run_flags(tiny_models, tiny_data, two, batch_size=4, **common))
-    accelerate_launch(1, tiny_run_flags(tiny_models, tiny_data, one, batch_size=8, **common))
+    flags_two = tiny_run_flags(tiny_models, tiny_data, two, batch_size=4, **common)
+    if form == "relaunch":
+        done = launch([sys.executable, "-m", "distill.train", "--num_processes", "2", *flags_two])
+        assert "no CUDA GPU here" in done.stderr or torch.cuda.is_available()
+    else:
+        env = dict(os.environ, PYTHON=sys.executable, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+        env.pop("DISTILL_ALLOCATOR", None)
+        env.pop("LD_PRELOAD", None)
+        command = ["bash", str(REPO / "run_ddp.sh"), "2", str(use_projection), *flags_two]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-4000:]
+        assert "no CUDA GPU found" in done.stderr
+        # LD_PRELOAD reached the ranks through accelerate launch
+        assert results_of(two)["heap_allocator"] == ("tcmalloc" if find_tcmalloc() else "glibc")
+    assert main(tiny_run_flags(tiny_models, tiny_data, one, batch_size=8, **common)) == 0
     assert results_of(two)["world_size"] == 2 and results_of(one)["world_size"] == 1
+    assert results_of(two)["mode"] == results_of(one)["mode"] == ("projection" if use_projection else "matryoshka")
     weights_two, weights_one = exported_weights(two), exported_weights(one)
     assert weights_two.keys() == weights_one.keys()
     start = load_file(str(Path(tiny_models["student"]) / "model.safetensors"))
@@ -342,25 +349,6 @@ def test_two_processes_match_one_process_with_twice_the_batch(
         losses_two, losses_one = (results_of(out)["phases"][phase]["losses"] for out in (two, one))
         assert len(losses_two) == len(losses_one) > 0
         assert losses_two == pytest.approx(losses_one, abs=1e-4), phase
-
-
-@pytest.mark.multiprocess
-def test_num_processes_after_the_module_relaunches(tiny_models, tiny_data, tmp_path):
-    """`python -m distill.train --num_processes 2` must run on 2 processes, not silently on one."""
-    out = tmp_path / "relaunch"
-    done = launch(
-        [
-            sys.executable,
-            "-m",
-            "distill.train",
-            *tiny_run_flags(tiny_models, tiny_data, out),
-            "--num_processes",
-            "2",
-            "--skip_phase1",
-        ]
-    )
-    assert results_of(out)["world_size"] == 2
-    assert "no CUDA GPU" in done.stderr or torch.cuda.is_available()
 
 
 def test_eval_steps_log_mid_phase_and_keep_the_best_model(tiny_models, tiny_data, tmp_path):
@@ -797,13 +785,15 @@ def option_run_flags(tiny_models, tiny_data, out: Path, cache: Path, **options) 
     return tiny_run_flags(tiny_models, tiny_data, out, **settings, **options)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def eager_run(tiny_models, tiny_data, tmp_path_factory) -> Path:
     """The short run without options; its teacher cache (next to it) is shared by the runs compared with it."""
-    root = tmp_path_factory.mktemp("options")
-    assert main(option_run_flags(tiny_models, tiny_data, root / "eager", root / "cache")) == 0
-    reset_accelerate()
-    return root / "eager"
+
+    def make(root: Path) -> None:
+        assert main(option_run_flags(tiny_models, tiny_data, root / "eager", root / "cache")) == 0
+        reset_accelerate()
+
+    return shared_folder(tmp_path_factory, "options", make) / "eager"
 
 
 def assert_same_losses(run: Path, reference: Path, atol: float = 0.0, rtol: float = 0.0) -> None:
