@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from accelerate.logging import get_logger
+from tqdm.auto import tqdm
 
 from distill import embedded
 from distill.config import DataConfig
@@ -305,22 +306,23 @@ def _head_and_rest(source: str) -> tuple[list[dict[str, Any]], Iterator[dict[str
 def iter_records(source: str) -> Iterator[dict[str, Any]]:
     """Rows of a local .jsonl/.json/.csv/.parquet/.txt file, a local dataset folder, or a Hub dataset.
 
-    A Hub dataset is `NAME` or `NAME:SUBSET` (its `train` split). Rows are converted in chunks, so a
-    capped phase reads only as many as it keeps.
+    A Hub dataset is `NAME` or `NAME:SUBSET` (its `train` split). Files, folders of data files and Hub datasets
+    are streamed (datasets' streaming mode): a capped phase reads only the rows it keeps, and a corpus larger
+    than memory or disk is never converted, downloaded or held whole. A folder written by `save_to_disk` is
+    memory-mapped and read in chunks.
     """
     path, subset = resolve_source(source)
-    if path.is_dir():  # a folder written by save_to_disk, or of data files (parquet shards, ...)
-        saved = any((path / f).is_file() for f in ("state.json", "dataset_dict.json"))
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        dataset = _load_dataset(str(path), source, saved and not subset, size < BAR_BYTES, **subset)
-    elif path.is_file():
+    if path.is_dir() and not subset and any((path / f).is_file() for f in ("state.json", "dataset_dict.json")):
+        dataset = _load_from_disk(path, source)
+        return (row for start in range(0, len(dataset), CHUNK_ROWS) for row in _chunk(dataset, start))
+    if path.is_file():
         fmt = LOCAL_FORMATS[path.suffix.lower()]
         if fmt == "text":
             return ({"text": line} for line in _text_lines(path, source))
-        dataset = _load_dataset(fmt, source, quiet=path.stat().st_size < BAR_BYTES, data_files=str(path))
-    else:  # from the Hub: its download and preparation bars show
-        dataset = _load_dataset(str(path), source, False, False, **subset)
-    return (row for start in range(0, len(dataset), CHUNK_ROWS) for row in _chunk(dataset, start))
+        return _stream(fmt, source, path.stat().st_size, data_files=str(path))
+    if path.is_dir():  # a folder of data files (parquet shards, ...), or of subsets named in its README
+        return _stream(str(path), source, sum(f.stat().st_size for f in path.rglob("*") if f.is_file()), **subset)
+    return _stream(str(path), source, None, **subset)
 
 
 def resolve_source(source: str) -> tuple[Path, dict[str, str]]:
@@ -381,39 +383,60 @@ def _text_lines(path: Path, source: str) -> Iterator[str]:
         bar.update(offset - shown)  # read to the end
 
 
-def _load_dataset(path: str, source: str, from_disk: bool = False, quiet: bool = True, **kwargs: Any) -> Dataset:
-    """The train split; `quiet` off shows datasets' own bars (a download, a large file converted to Arrow)."""
+def _load_from_disk(path: Path, source: str) -> Dataset:
+    """A dataset written by `save_to_disk` (its train split, if it holds several)."""
     import datasets
-    from datasets.exceptions import DatasetGenerationError
 
-    if quiet:
-        datasets.disable_progress_bars()
-    else:
-        datasets.enable_progress_bars()
     try:
-        if from_disk:
-            loaded = datasets.load_from_disk(path)
-            return loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded
-        return datasets.load_dataset(path, split="train", **kwargs)
-    except DatasetGenerationError as e:
-        cause = e.__cause__ or e
+        loaded = datasets.load_from_disk(str(path))
+    except (OSError, ValueError, KeyError) as e:
         raise DistillError(
-            f"data {source!r} could not be read ({_first_line(cause)}); check that it is well-formed "
-            "(a .jsonl holds one complete JSON object per line) and UTF-8"
+            f"data {source!r} could not be loaded ({_first_line(e)}); pass a folder written by save_to_disk, "
+            "or a folder of .jsonl/.json/.csv/.parquet files"
         ) from None
-    except (FileNotFoundError, ConnectionError, OSError, ValueError, KeyError) as e:
-        subsets = re.search(r"available configs: \[([^\]]*)\]", str(e))
-        if "Config name is missing" in str(e) and subsets:
-            first = subsets.group(1).split(",")[0].strip().strip("'\"")
-            raise DistillError(
-                f"data {source!r} has several subsets ({subsets.group(1)}); name one as NAME:SUBSET, "
-                f"e.g. {source}:{first}"
-            ) from None
-        raise DistillError(
-            f"data {source!r} could not be loaded ({_first_line(e)}); pass a local "
-            ".jsonl/.json/.csv/.parquet/.txt file or dataset folder, a Hub dataset (NAME or NAME:SUBSET, with "
-            "a train split), or 'embedded' when the Hub is not reachable"
-        ) from None
+    return loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded
+
+
+def _stream(path: str, source: str, size: int | None, **kwargs: Any) -> Iterator[dict[str, Any]]:
+    """The train split's rows in datasets' streaming mode, counted by a bar for a Hub dataset (`size` None) or
+    local data over BAR_BYTES."""
+    import datasets
+
+    datasets.disable_progress_bars()  # the bar below counts the rows instead
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a parse error is this function's one line
+    try:
+        rows = iter(datasets.load_dataset(path, split="train", streaming=True, **kwargs))
+    except Exception as e:  # datasets raises many kinds; each becomes one line that says what to do
+        raise _load_error(e, source) from None
+    quiet = size is not None and size < BAR_BYTES
+    label = source if size is None else Path(source).name
+    with tqdm(desc=f"reading {label}", unit=" rows", disable=quiet, dynamic_ncols=True) as bar:
+        while True:
+            try:
+                row = next(rows)
+            except StopIteration:
+                return
+            except Exception as e:  # as above: pyarrow's, json's and datasets' own errors
+                raise DistillError(
+                    f"data {source!r} could not be read ({_first_line(e)}); check that it is well-formed "
+                    "(a .jsonl holds one complete JSON object per line) and UTF-8"
+                ) from None
+            bar.update()
+            yield row
+
+
+def _load_error(error: Exception, source: str) -> DistillError:
+    subsets = re.search(r"available configs: \[([^\]]*)\]", str(error))
+    if "Config name is missing" in str(error) and subsets:
+        first = subsets.group(1).split(",")[0].strip().strip("'\"")
+        return DistillError(
+            f"data {source!r} has several subsets ({subsets.group(1)}); name one as NAME:SUBSET, e.g. {source}:{first}"
+        )
+    return DistillError(
+        f"data {source!r} could not be loaded ({_first_line(error)}); pass a local "
+        ".jsonl/.json/.csv/.parquet/.txt file or dataset folder, a Hub dataset (NAME or NAME:SUBSET, with "
+        "a train split), or 'embedded' when the Hub is not reachable"
+    )
 
 
 def _first_line(error: BaseException) -> str:

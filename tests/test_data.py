@@ -493,10 +493,8 @@ def test_a_capped_text_file_is_read_only_as_far_as_it_keeps(tmp_path: Path) -> N
 def test_a_large_data_file_is_read_under_a_bar(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Above the bar's threshold (256 MiB; 0 here) a text file shows a bar in bytes, and datasets' own bars show
-    for the other formats; below it reading is silent."""
-    import datasets
-
+    """Above the bar's threshold (256 MiB; 0 here) a text file shows a bar in bytes and the other formats one in
+    rows; below it reading is silent."""
     import distill.hub
 
     lines = [f"sentence number {i} of a long corpus" for i in range(60_000)]
@@ -505,15 +503,27 @@ def test_a_large_data_file_is_read_under_a_bar(
     rows = tmp_path / "big.jsonl"
     rows.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines[:50]))
     assert load_phase1_texts(str(text), 100_000) == lines and load_phase1_texts(str(rows), 100) == lines[:50]
-    assert capsys.readouterr().err == "" and not datasets.is_progress_bar_enabled()
+    assert capsys.readouterr().err == ""
     monkeypatch.setattr(distill.hub, "BAR_BYTES", 0)
     monkeypatch.setattr(data_module, "BAR_BYTES", 0)
     assert load_phase1_texts(str(text), 100_000) == lines
     assert re.search(r"reading big\.txt: 100%.*\| 2\.\d+M/2\.\d+M \[", capsys.readouterr().err)
-    fresh = tmp_path / "fresh.jsonl"  # not in datasets' cache: converted to Arrow again, under its bar
-    fresh.write_bytes(rows.read_bytes())
-    assert load_phase1_texts(str(fresh), 100) == lines[:50] and datasets.is_progress_bar_enabled()
-    assert "Generating train split" in capsys.readouterr().err
+    assert load_phase1_texts(str(rows), 100) == lines[:50]
+    assert re.search(r"reading big\.jsonl: 50 rows \[", capsys.readouterr().err)
+
+
+def test_a_capped_jsonl_file_is_streamed_only_as_far_as_it_keeps(tmp_path: Path) -> None:
+    """datasets' streaming mode: 12 MB of rows (beyond its first 10 MB block) end in a broken line that a capped
+    read never reaches, and that a full read reports as one error."""
+    path = tmp_path / "long.jsonl"
+    with open(path, "w") as f:
+        for i in range(200_000):
+            f.write(json.dumps({"text": f"sentence {i} of a corpus larger than what the phase keeps"}) + "\n")
+        f.write('{"text": "broken"\n')
+    assert path.stat().st_size > 12e6
+    assert load_phase1_texts(str(path), 1000)[-1] == "sentence 999 of a corpus larger than what the phase keeps"
+    with pytest.raises(DistillError, match=r"'.*long\.jsonl' could not be read \(.*\); check that it is well-formed"):
+        load_phase1_texts(str(path), 300_000)
 
 
 def test_local_dataset_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
