@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import tiny_run_flags
 from distill.distributed import RELAUNCHED, launch, maybe_relaunch, relaunch_command, strip_flag
 from distill.errors import DistillError
 
@@ -216,3 +217,23 @@ def test_the_relaunch_leaves_out_the_launchers_report_of_stops_that_say_why(monk
     else:
         with pytest.raises(ChildFailedError):
             launch(argv)
+
+
+def test_the_launcher_stops_a_bad_input_and_launches_a_good_one(tiny_models, tiny_data, tmp_path, monkeypatch, capsys):
+    """`python -m distill.launch`: the training flags are checked before `accelerate launch` runs, and only then."""
+    import distill.distributed
+    from distill.launch import main as launch_main
+
+    launched = []
+    monkeypatch.setattr(distill.distributed, "launch", lambda argv: launched.append(argv) or 0)
+    launcher = ["--num_machines", "1", "--num_processes", "2", "-m", "distill.train"]
+    good = tiny_run_flags(tiny_models, tiny_data, tmp_path / "out")
+    assert launch_main([*launcher, *good]) == 0 and launched == [[*launcher, *good]]
+    assert not (tmp_path / "out").exists()  # the probe leaves nothing behind
+    missing = tiny_run_flags(tiny_models, tiny_data, tmp_path / "out", phase2_data=tmp_path / "nope.jsonl")
+    assert launch_main([*launcher, *missing]) == 2 and len(launched) == 1
+    assert capsys.readouterr().err.startswith(f"error: data file '{tmp_path / 'nope.jsonl'}' does not exist")
+    skipped = [*missing, "--skip_phase2", "True", "--eval_data", "none"]  # a source the run does not read
+    assert launch_main([*launcher, *skipped]) == 0 and len(launched) == 2
+    other = ["--num_processes", "2", "train.py", "--phase1_lr", "-1"]  # not distill: nothing to check
+    assert launch_main(other) == 0 and launched[-1] == other
