@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from distill import embedded
 from distill.config import DataConfig
 from distill.errors import DistillError
+from distill.files import folder_bytes
 from distill.hub import BAR_BYTES, bytes_bar
 
 if TYPE_CHECKING:
@@ -321,7 +322,7 @@ def iter_records(source: str) -> Iterator[dict[str, Any]]:
             return ({"text": line} for line in _text_lines(path, source))
         return _stream(fmt, source, path.stat().st_size, data_files=str(path))
     if path.is_dir():  # a folder of data files (parquet shards, ...), or of subsets named in its README
-        return _stream(str(path), source, sum(f.stat().st_size for f in path.rglob("*") if f.is_file()), **subset)
+        return _stream(str(path), source, folder_bytes(path), **subset)
     return _stream(str(path), source, None, **subset)
 
 

@@ -118,11 +118,6 @@ def weights_bytes(model: torch.nn.Module, folder: str | os.PathLike | None = Non
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def folder_bytes(folder: str | os.PathLike) -> int:
-    """Every file under `folder`: what the exported model takes on disk."""
-    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
-
-
 def measure(
     model: SentenceTransformer,
     texts: CostTexts,

@@ -1,4 +1,4 @@
-"""Small file helpers every stage shares: atomic writes and JSON reads."""
+"""Small file helpers every stage shares: atomic writes, JSON reads, a folder's size."""
 
 from __future__ import annotations
 
@@ -31,3 +31,8 @@ def write_json_atomic(path: Path, payload: dict) -> None:
 def read_json(path: Path) -> dict:
     """The JSON object in `path`, or {} when there is no such file."""
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def folder_bytes(folder: str | os.PathLike) -> int:
+    """Every file under `folder`, in bytes (an exported model on disk, a folder of data files)."""
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())

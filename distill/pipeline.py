@@ -31,10 +31,11 @@ from distill.checkpoint import PHASES, TrainingState, resume_requested, resume_s
 from distill.config import Config, to_flat_dict
 from distill.data import DistillData, load_data
 from distill.distributed import main_decides, make_accelerator
-from distill.efficiency import CostTexts, cost_table, folder_bytes, measure_student, trade_off_line
+from distill.efficiency import CostTexts, cost_table, measure_student, trade_off_line
 from distill.errors import OutOfMemory
 from distill.evaluation import EvalInputs, PhaseEvaluation, eval_inputs, evaluate_student, evaluate_teacher
 from distill.export import deployable_model, export_models
+from distill.files import folder_bytes
 from distill.loop import CheckpointSettings, train_phase, training_memory_message
 from distill.phases import Phase, check_phase_sizes, make_phases
 from distill.report import check_output_dir, prepare_output_dir, results_table, write_results
