@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import sys
 import types
 import typing
@@ -62,6 +63,11 @@ FRACTION = Check(lambda v: 0 <= v < 1, "a fraction in [0, 1)")
 EMPTY = "{flag}: expected {expected}, got an empty value; pass --{flag} (or drop it for the default)"
 MODEL_NAME = Check(lambda v: bool(str(v).strip()), "a Hub name or a model folder", EMPTY)
 FOLDER = Check(lambda v: bool(str(v).strip()), "a folder", EMPTY)
+# the Hub's own rule for a repository id: NAME or OWNER/NAME, letters, digits, '-', '_', '.'
+HUB_REPO = Check(
+    lambda v: re.fullmatch(r"[\w.-]{1,96}(/[\w.-]{1,96})?", str(v)) is not None and ".." not in str(v),
+    "a Hub repository id like your-name/my-student",
+)
 
 
 def _opt(
@@ -310,6 +316,23 @@ class OutputConfig:
     output_dir: str = _opt(default="./checkpoints", check=FOLDER, help="Where results.json, config.yaml and logs go.")
     save_to_artifacts: bool = _opt(default=False, help="Export the trained student as a SentenceTransformer.")
     artifacts_dir: str = _opt(default="./artifacts", check=FOLDER, help="Where the exported model folder(s) go.")
+    push_to_hub: str | None = _opt(
+        default=None,
+        check=HUB_REPO,
+        help="After a successful run, upload the exported model to this Hub repository (OWNER/NAME) with "
+        "sentence-transformers' push_to_hub and the token of `hf auth login` or HF_TOKEN; implies the export. "
+        "A failed upload is a warning that gives the command to retry; the exported folder stays.",
+    )
+    hub_private: bool = _opt(default=False, help="With --push_to_hub: create the repository as a private one.")
+    card_license: str | None = _opt(
+        default=None,
+        help="The license in the model card's header (an id like apache-2.0 or mit); default: the student's own "
+        "card's license. The teacher's terms may bind the student too.",
+    )
+    card_language: str | None = _opt(
+        default=None,
+        help="The model card's languages, comma-separated ISO codes like en,de; default: the student's own card's.",
+    )
     log_with: str = _opt(
         default="jsonl",
         help="Trackers, comma-separated: jsonl (<output_dir>/metrics.jsonl), any tracker Accelerate supports "

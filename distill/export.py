@@ -5,14 +5,13 @@
   Matryoshka mode it is the student, given a final Normalize if it has none: unit vectors in both modes.
 - `<artifacts_dir>/student`: projection mode only, the student at its own dimension.
 
-Each folder is written by sentence-transformers' own `save` into a temporary folder, with a model card
-(training settings and the evaluation table), then renamed into place: a crash never leaves half a model.
-Only the main process writes; everyone waits for it.
+Each folder is written by sentence-transformers' own `save` into a temporary folder, with its model card
+(`distill/card.py`), then renamed into place: a crash never leaves half a model. Only the main process writes;
+everyone waits for it. `--push_to_hub` then uploads the model folder with sentence-transformers' `push_to_hub`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -21,13 +20,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from accelerate import Accelerator
+from accelerate.logging import get_logger
 
+from distill.card import model_card
 from distill.distributed import on_main_process
 from distill.errors import DistillError
 from distill.student import DistillationModel, matryoshka_dims, normalize_module
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
+
+logger = get_logger(__name__)
 
 
 def deployable_model(model: DistillationModel) -> SentenceTransformer:
@@ -50,9 +53,15 @@ def deployable_model(model: DistillationModel) -> SentenceTransformer:
 
 
 def export_models(
-    accelerator: Accelerator, model: DistillationModel, artifacts_dir: str | os.PathLike, settings: dict, table: str
+    accelerator: Accelerator,
+    model: DistillationModel,
+    artifacts_dir: str | os.PathLike,
+    settings: dict,
+    table: str,
+    figures: dict | None = None,
 ) -> dict[str, str]:
-    """Write the exported model folder(s), each with its model card (`settings`, the evaluation `table`).
+    """Write the exported model folder(s), each with its model card (`settings`, the evaluation and cost `table`,
+    `figures`: the run's results for the card's header).
 
     Returns {name: path}. Collective: every process must call it.
     """
@@ -60,21 +69,21 @@ def export_models(
     student_dims = {"student": model.student_dim}  # no "output": no projection in the folder
     model_dims = student_dims if model.projection is None else {**student_dims, "output": model.projection.out_features}
     trained = matryoshka_dims(model.student_dim, settings.get("matryoshka_dims")) if model.projection is None else None
-    card = model_card(settings, table, model_dims, matryoshka=trained)
-    targets = {"model": (root / "model", deployable_model(model), card)}
+    targets = {"model": (root / "model", deployable_model(model), model_dims, "")}
     if model.projection is not None:
         note = (
             f"This folder is the student at its own {model.student_dim} dimensions, without the projection "
             "(the folder `model` beside it has it): it scores as the `ndcg@10_student_dim` row."
         )
-        targets["student"] = (root / "student", model.student, model_card(settings, table, student_dims, note))
+        targets["student"] = (root / "student", model.student, student_dims, note)
 
     def write() -> None:
-        for path, sentence_transformer, folder_card in targets.values():
-            save_atomic(sentence_transformer, path, folder_card)
+        for path, sentence_transformer, dims, note in targets.values():
+            card = model_card(sentence_transformer, settings, table, dims, note, trained, figures)
+            save_atomic(sentence_transformer, path, card)
 
     on_main_process(accelerator, write)
-    return {name: str(path) for name, (path, _, _) in targets.items()}
+    return {name: str(path) for name, (path, *_) in targets.items()}
 
 
 def save_atomic(sentence_transformer: SentenceTransformer, target: Path, card: str) -> None:
@@ -119,64 +128,27 @@ def no_prompts(sentence_transformer: SentenceTransformer) -> Iterator[None]:
         sentence_transformer.prompts, sentence_transformer.default_prompt_name = prompts, default
 
 
-def model_card(
-    settings: dict, table: str, dims: dict[str, int], note: str = "", matryoshka: list[int] | None = None
-) -> str:
-    """A sentence-transformers model card: how the student was distilled (`note`: what the folder holds), its scores.
+def push_to_hub(sentence_transformer: SentenceTransformer, folder: str, repo_id: str, private: bool) -> dict[str, str]:
+    """Upload the exported `folder` (card included) to `repo_id` with sentence-transformers' `push_to_hub`.
 
-    `dims`: {"student": its dimension}, plus {"output": the projection's} when the folder ends with the projection.
-    `matryoshka`: the dimensions a Matryoshka-mode model was trained to be truncated to (largest first).
+    The token is the Hub login's (`hf auth login`, or HF_TOKEN). A failure (offline, no token, no rights) is one
+    warning line with the command that retries the upload; the folder is written already and stays as it is.
+    Returns {"repo": ..., "url": the commit} or {"repo": ..., "error": why}: results.json's `hub` entry.
     """
-    front = "\n".join(
-        [
-            "---",
-            "library_name: sentence-transformers",
-            "pipeline_tag: sentence-similarity",
-            "tags:",
-            "- sentence-transformers",
-            "- feature-extraction",
-            "- distillation",
-            "---",
-            "",
-        ]
-    )
-    width = dims.get("output", dims.get("student"))
-    usage = (
-        "```python\nfrom sentence_transformers import SentenceTransformer\n\n"
-        "model = SentenceTransformer('path/to/this/folder')\n"
-        f"embeddings = model.encode(['a query', 'a passage'])  # (2, {width})\n"
-        "scores = model.similarity(embeddings, embeddings)  # cosine\n```\n\n"
-        "No prompts: the student was distilled on texts as they are, so queries and documents are encoded alike "
-        "(`encode_query` and `encode_document` add nothing; the teacher's prompts are not needed).\n"
-    )
-    if "output" in dims:
-        usage += (
-            f"\nThe vectors lie in the teacher's {dims['output']}-d space: they can query an index of the teacher's "
-            "own passage vectors (scored as `ndcg@10_asymmetric` under Evaluation).\n"
+    try:
+        url = sentence_transformer.push_to_hub(
+            repo_id, private=private, local_model_path=folder, exist_ok=True, commit_message="Upload a distilled model"
         )
-    if matryoshka:
-        shorter = matryoshka[1] if len(matryoshka) > 1 else matryoshka[0]
-        usage += (
-            f"\nMatryoshka: trained to be truncated to {', '.join(map(str, matryoshka))} dimensions (the first "
-            f"coordinates carry the most): `SentenceTransformer('path/to/this/folder', truncate_dim={shorter})`. "
-            "Truncated vectors are not unit length: compare them with `model.similarity` (cosine), or encode with "
-            "`normalize_embeddings=True` before a dot product.\n"
-        )
-    return (
-        f"{front}# Distilled student\n\n"
-        f"Distilled with `distill` from teacher `{settings.get('teacher_model')}` into "
-        f"`{settings.get('student_model')}`"
-        + (f" cut to {layers} evenly spaced layers" if (layers := settings.get("student_num_layers")) else "")
-        + f" ({dims.get('student')}-d"
-        + (f", projected to the teacher's {dims['output']}-d" if "output" in dims else "")
-        + (", Matryoshka" if matryoshka else "")
-        + ")."
-        + (f" {note}" if note else "")
-        + "\n\n## Usage\n\n"
-        + usage
-        + "\n## Evaluation\n\n"
-        + table
-        + "\n\n## Training settings\n\n```json\n"
-        + json.dumps(settings, indent=2, default=str)
-        + "\n```\n"
-    )
+    except Exception as e:  # the Hub's and the network's errors are many; none of them may cost the run
+        why = first_line(e)
+        retry = f"hf upload {repo_id} {folder} ." + (" --private" if private else "")
+        logger.warning(f"push to the Hub failed ({why}); the model stays in {folder}; retry with: {retry}")
+        return {"repo": repo_id, "error": why}
+    logger.info(f"pushed the model to https://huggingface.co/{repo_id}")
+    return {"repo": repo_id, "url": str(url)}
+
+
+def first_line(error: BaseException) -> str:
+    """The error's first line, named by its type: `OfflineModeIsEnabled: Cannot reach ...`."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

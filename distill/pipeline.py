@@ -34,7 +34,7 @@ from distill.distributed import main_decides, make_accelerator
 from distill.efficiency import CostTexts, cost_table, measure_student, trade_off_line
 from distill.errors import OutOfMemory
 from distill.evaluation import EvalInputs, PhaseEvaluation, eval_inputs, evaluate_student, evaluate_teacher
-from distill.export import deployable_model, export_models
+from distill.export import deployable_model, export_models, push_to_hub
 from distill.files import folder_bytes
 from distill.loop import CheckpointSettings, train_phase, training_memory_message
 from distill.phases import Phase, check_phase_sizes, make_phases
@@ -82,7 +82,7 @@ def run(config: Config) -> RunResults:
         resumed = resume if phase.name == state.phase else None
         with stage(phase.name):
             model = train_stage(accelerator, config, model, phase, data, teacher, state, evaluations, resumed)
-            record_phase(state, phase, teacher, model, evaluations, final=phase is phases[-1])
+            record_phase(state, phase, teacher, model, evaluations, phase.samples(data), final=phase is phases[-1])
         resume = None
     return finish(accelerator, config, model, state, teacher, output_dir, evaluation is not None, costs)
 
@@ -156,9 +156,11 @@ def record_phase(
     teacher: TeacherVectors,
     model: DistillationModel,
     evaluations: PhaseEvaluation | None,
+    examples: int,
     final: bool,
 ) -> None:
-    """The phase's figures into the results, and its end-of-phase evaluation (`final`: the run's last phase)."""
+    """The phase's figures into the results (`examples`: the texts or pairs it trains on), and its end-of-phase
+    evaluation (`final`: the run's last phase)."""
     results = state.results
     results.phases[phase.name] = PhaseFigures(
         teacher_seconds=round(teacher.seconds[phase.name], 3),
@@ -168,6 +170,7 @@ def record_phase(
         samples_per_second=round(state.train_samples / max(state.train_seconds, 1e-9), 2),
         final_loss=state.losses[-1] if state.losses else None,
         losses=list(state.losses),
+        examples=examples,
     )
     if evaluations is not None:
         metrics = evaluations.final(model, state.optimizer_steps)
@@ -203,18 +206,29 @@ def finish(
     figures = results.to_dict()
     table = results_table(figures) if evaluated else "(no evaluation set)"
     trade_off = trade_off_line(figures)
-    if config.output.save_to_artifacts:
+    if config.output.save_to_artifacts or config.output.push_to_hub:
         card = "\n\n".join(filter(None, [table, trade_off, cost_table(figures)]))
-        exported = export_models(accelerator, model, config.output.artifacts_dir, to_flat_dict(config), card)
+        exported = export_models(accelerator, model, config.output.artifacts_dir, to_flat_dict(config), card, figures)
         results.exported = exported
         if efficiency is not None:
             efficiency.exported_bytes = main_decides(accelerator, lambda: folder_bytes(exported["model"]))
             results.efficiency = efficiency.to_dict()
     results.config = to_flat_dict(config)
     path = write_results(accelerator, output_dir, results)
+    if config.output.push_to_hub and results.exported:  # after results.json: an upload never costs the results
+        folder = results.exported["model"]
+        results.hub = main_decides(accelerator, lambda: publish(config, model, folder))
+        write_results(accelerator, output_dir, results)
     for name, folder in (results.exported or {}).items():
         logger.info(f"exported {name}: {folder}")
     accelerator.print(f"\n{table}\n" + (f"\n{trade_off}\n" if trade_off else "") + f"\nresults: {path}")
     accelerator.wait_for_everyone()  # the group is torn down by all ranks together, not while rank 0 still writes
     accelerator.end_training()
     return results
+
+
+def publish(config: Config, model: DistillationModel, folder: str) -> dict[str, str]:
+    """--push_to_hub: the exported model folder uploaded (main process); results.json's `hub` entry."""
+    repo, private = config.output.push_to_hub, config.output.hub_private
+    assert repo is not None
+    return push_to_hub(deployable_model(model), folder, repo, private)

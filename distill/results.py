@@ -21,6 +21,7 @@ class PhaseFigures:
     samples_per_second: float
     final_loss: float | None
     losses: list[float]
+    examples: int | None = None  # the texts or pairs the phase trains on (each epoch)
 
 
 @dataclass
@@ -40,6 +41,7 @@ class RunResults:
     teacher_load_seconds: float | None = None
     teacher_seconds_evaluation: float | None = None
     exported: dict[str, str] | None = None  # folder name -> path
+    hub: dict[str, str] | None = None  # --push_to_hub: {"repo", "url"} or {"repo", "error"}
     efficiency: dict[str, Any] | None = None  # efficiency.Efficiency.to_dict(): the teacher's and student's costs
     config: dict[str, Any] | None = None
 

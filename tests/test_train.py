@@ -201,11 +201,21 @@ def test_second_run_reuses_the_teacher_cache_without_loading_the_teacher(tiny_mo
     assert warm["efficiency"]["teacher"] == cold["efficiency"]["teacher"]
 
 
-def test_matryoshka_mode_trains_truncated_dims(tiny_models, tiny_data, tmp_path):
+def test_matryoshka_mode_trains_truncated_dims(tiny_models, tiny_data, tmp_path, caplog):
+    """Also: --push_to_hub offline exports, then fails to upload with one warning; the model and results stay."""
     out = tmp_path / "mrl"
     flags = tiny_run_flags(tiny_models, tiny_data, out, use_projection=False, matryoshka_dims="32,16,8")
-    assert main([*flags, "--save_to_artifacts"]) == 0
+    with caplog.at_level(logging.WARNING):
+        assert main([*flags, "--push_to_hub", "me/tiny-student"]) == 0  # HF_HUB_OFFLINE=1 (conftest)
+    pushes = [r.getMessage() for r in caplog.records if "push to the Hub" in r.getMessage()]
+    assert len(pushes) == 1 and "\n" not in pushes[0]
+    folder = out / "artifacts" / "model"
+    assert "push to the Hub failed (OfflineModeIsEnabled: " in pushes[0]
+    assert pushes[0].endswith(f"the model stays in {folder}; retry with: hf upload me/tiny-student {folder} .")
     results = results_of(out)
+    assert results["hub"]["repo"] == "me/tiny-student" and results["hub"]["error"].startswith("OfflineModeIsEnabled")
+    card = (out / "artifacts" / "model" / "README.md").read_text()
+    assert 'SentenceTransformer("me/tiny-student")' in card and "\nmetrics:\n- cosine_ndcg@10\n" in card
     assert results["mode"] == "matryoshka"
     assert set(results["student_after"]["matryoshka_ndcg@10"]) == {"32", "16", "8"}
     assert_closer_to_the_teacher(results)

@@ -1,0 +1,96 @@
+"""The model card: sentence-transformers' header and sections, filled from the run offline, with distill's section."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from sentence_transformers import SentenceTransformer
+
+from distill.card import card_scores, distill_section, hub_dataset_id, model_card, student_card_header
+
+RESULTS = {
+    "student_after": {
+        "ndcg@10": 0.55,
+        "mrr@10": 0.48,
+        "ranks@10": [0, 1, -1],
+        "sts_spearman": 0.61,
+        "matryoshka_ndcg@10": {"32": 0.55, "16": 0.53, "8": 0.5},
+    },
+    "phases": {"phase1": {"examples": 1200}, "phase2": {"examples": 300}},
+}
+SETTINGS = {
+    "teacher_model": "big-org/teacher",
+    "student_model": "sentence-transformers/all-MiniLM-L6-v2",
+    "student_num_layers": 3,
+    "phase1_data": "embedded",
+    "phase2_data": "some-org/pairs:triplet",
+    "kl_weight": 1.0,
+    "temperature": 0.05,
+    "batch_size": 8,
+}
+
+
+def header(card: str) -> dict:
+    assert card.startswith("---\n")
+    return yaml.safe_load(card.split("---\n")[1])
+
+
+def test_the_card_carries_sentence_transformers_header_and_distills_section(tiny_models: dict[str, Path]) -> None:
+    """base_model, datasets, language, license, scores in the header; distill's section above Training Details."""
+    student = SentenceTransformer(str(tiny_models["student"]), device="cpu")
+    student.train()
+    card = model_card(
+        student, SETTINGS, "| metric | student_after |", {"student": 32}, matryoshka=[32, 16, 8], figures=RESULTS
+    )
+    meta = header(card)
+    assert meta["base_model"] == "sentence-transformers/all-MiniLM-L6-v2"
+    assert meta["datasets"] == ["some-org/pairs"]  # the Hub dataset; the embedded data has no Hub id
+    assert meta["license"] == "apache-2.0" and meta["language"] == ["en"]  # the shipped student's own card says so
+    assert meta["library_name"] == "sentence-transformers" and "distillation" in meta["tags"]
+    assert {"cosine_ndcg@10", "cosine_mrr@10", "spearman_cosine"} <= set(meta["metrics"])
+    results = meta["model-index"][0]["results"]
+    scores = {(r["dataset"]["type"], m["type"]): m["value"] for r in results for m in r["metrics"]}
+    assert scores[("held-out", "cosine_ndcg@10")] == 0.55 and scores[("held-out-dim_16", "cosine_ndcg@10")] == 0.53
+    assert scores[("lee-sts", "spearman_cosine")] == 0.61
+    assert ("held-out-dim_32", "cosine_ndcg@10") not in scores  # the full width is the held-out row itself
+    assert meta["model-index"][0]["name"] == "all-MiniLM-L6-v2 distilled from teacher"
+    assert card.index("## Distillation") < card.index("## Training Details") < card.index("1,200 training samples")
+    assert "| metric | student_after |" in card and '"batch_size": 8' in card
+    assert "distill.losses.similarity_kl_loss" in card and '"temperature": 0.05' in card
+    assert student.training  # the usage example encodes in eval mode; a mid-phase export gets training back
+
+
+def test_flags_set_license_and_language_and_the_push_repo_names_the_model(tiny_models: dict[str, Path]) -> None:
+    student = SentenceTransformer(str(tiny_models["student"]), device="cpu")
+    settings = {**SETTINGS, "card_license": "mit", "card_language": "en, de", "push_to_hub": "me/small"}
+    card = model_card(student, settings, "", {"student": 32}, figures=RESULTS)
+    meta = header(card)
+    assert meta["license"] == "mit" and meta["language"] == ["en", "de"]
+    assert 'SentenceTransformer("me/small")' in card
+
+
+def test_a_local_student_has_no_base_model_and_no_scores_without_an_evaluation(tiny_models: dict[str, Path]) -> None:
+    student = SentenceTransformer(str(tiny_models["student"]), device="cpu")
+    settings = {"teacher_model": str(tiny_models["teacher"]), "student_model": str(tiny_models["student"])}
+    meta = header(model_card(student, settings, "(no evaluation set)", {"student": 32}))
+    assert "base_model" not in meta and "metrics" not in meta and "license" not in meta
+    assert student_card_header(str(tiny_models["student"])) == {}  # a folder without a README.md
+
+
+def test_scores_and_sources() -> None:
+    assert card_scores({}) == {}
+    only_retrieval = card_scores({"student_after": {"ndcg@10": 0.5, "mrr@10": 0.4}})
+    assert [s.name for s in only_retrieval] == ["held-out"]
+    assert hub_dataset_id("embedded") is None and hub_dataset_id("org/data:subset") == "org/data"
+    assert hub_dataset_id(__file__.replace(".py", ".jsonl")) is None  # a local path that is gone: no Hub id
+
+
+def test_distill_section_says_what_the_folder_holds() -> None:
+    settings = {"teacher_model": "big/teacher", "student_model": "small/student"}
+    assert "`small/student` (32-d)." in distill_section(settings, "", {"student": 32})
+    pruned = distill_section({**settings, "student_num_layers": 3}, "", {"student": 32})
+    assert "`small/student` cut to 3 evenly spaced layers (32-d)" in pruned  # not the whole model it started from
+    # a projection to the student's own width still maps into the teacher's space
+    assert "(48-d, projected to the teacher's 48-d)." in distill_section(settings, "", {"student": 48, "output": 48})
+    assert "projected" not in distill_section(settings, "", {"student": 32})
