@@ -131,7 +131,7 @@ def test_unknown_yaml_key_via_build_config() -> None:
     ("argv", "message"),
     [
         (["--batch_size", "0"], r"batch_size: expected a number greater than 0, got 0"),
-        (["--push_to_hub", "me/my student"], r"push_to_hub: expected a Hub repository id like your-name/my-student, got"),
+        (["--push_to_hub", "me/my student"], r"push_to_hub: expected a Hub repository id like your-name/my-stu"),
         (["--push_to_hub", "a/b/c"], r"push_to_hub: expected a Hub repository id"),
         (["--phase1_lr", "-0.001"], r"phase1_lr: expected a number greater than 0, got -0\.001"),
         (["--phase2_epochs", "0"], r"phase2_epochs: expected a number greater than 0, got 0"),

@@ -1,0 +1,123 @@
+"""The planner: its counts match what a run does, it loads no weights, and it fails in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from sentence_transformers import SentenceTransformer
+
+from conftest import reset_accelerate, tiny_run_flags
+from distill import plan
+from distill.config import load_config
+from distill.plan import device_for, make_plan, model_shape
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading any model's weights fails the test."""
+    from transformers import AutoModel, PreTrainedModel
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the planner loaded a model's weights")
+
+    monkeypatch.setattr(SentenceTransformer, "__init__", refuse)
+    monkeypatch.setattr(AutoModel, "from_pretrained", refuse)
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", refuse)
+
+
+def test_the_plan_counts_what_the_run_does(tiny_models, tiny_data, tmp_path, monkeypatch):
+    """Texts, optimizer steps, parameters and the cache's bytes, against a real run with the same flags."""
+    from distill.train import main
+
+    flags = tiny_run_flags(tiny_models, tiny_data, tmp_path / "run", student_num_layers=1, efficiency_texts=0)
+    assert main(flags) == 0
+    reset_accelerate()
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    no_weights(monkeypatch)
+    figures = make_plan(load_config(flags), device_for("h100", None, None))
+    assert figures.optimizer_steps == {p: f["optimizer_steps"] for p, f in results["phases"].items()}
+    assert figures.texts["phase1 texts"] == results["phases"]["phase1"]["examples"]
+    assert figures.texts["phase2 queries"] == results["phases"]["phase2"]["examples"]
+    cache = folder_bytes(tmp_path / "run" / "cache")
+    assert abs(figures.cache_bytes - cache) <= 0.10 * cache
+    monkeypatch.undo()
+    student = SentenceTransformer(str(tiny_models["student"]), device="cpu")
+    teacher = SentenceTransformer(str(tiny_models["teacher"]), device="cpu")
+    assert figures.parameters["teacher"] == sum(p.numel() for p in teacher.parameters())
+    one_layer = sum(p.numel() for p in student.parameters()) - sum(
+        p.numel() for p in student[0].auto_model.encoder.layer[1:].parameters()
+    )
+    assert figures.parameters["student"] == one_layer  # cut to one layer, as the run cuts it
+    assert 0 < figures.train_seconds < figures.train_seconds + figures.teacher_seconds
+    assert figures.allreduce_bytes_per_step == 0  # one process
+
+
+def test_more_processes_share_the_work_and_all_reduce_the_gradients(tiny_models, tiny_data, tmp_path):
+    one = make_plan(load_config(tiny_run_flags(tiny_models, tiny_data, tmp_path)), device_for("a100", None, None))
+    flags = [*tiny_run_flags(tiny_models, tiny_data, tmp_path, batch_size=4), "--num_processes", "2"]
+    two = make_plan(load_config(flags), device_for("a100", None, None), machines=2)
+    assert two.teacher_seconds == pytest.approx(one.teacher_seconds / 2)
+    assert two.optimizer_steps == one.optimizer_steps  # 2 x 4 per step against 1 x 8
+    projection = 32 * 48 + 48  # the tiny run trains a 32 -> 48 projection
+    trainable = one.parameters["student"] - model_shape(tiny_models["student"]).frozen_parameters + projection
+    assert two.allreduce_bytes_per_step == trainable * 4  # a ring moves 2 (n - 1) / n x the fp32 gradients
+    assert two.assumptions["interconnect_bytes_per_second"] == plan.INTER_MACHINE_BYTES_PER_S
+
+
+def test_measured_rates_replace_the_assumed_ones(tiny_models, tiny_data, tmp_path):
+    config = load_config(tiny_run_flags(tiny_models, tiny_data, tmp_path))
+    assumed = make_plan(config, device_for("h100", None, None))
+    measured = make_plan(config, device_for("h100", 39.56, 7.912))  # 10x and 10% of the assumed rates
+    assert measured.teacher_seconds == pytest.approx(assumed.teacher_seconds * 10)
+    assert measured.train_seconds == pytest.approx(assumed.train_seconds * 10)
+    assert measured.assumptions["rates"].startswith("measured")
+
+
+def test_scaled_counts_keep_the_lengths(tiny_models, tiny_data, tmp_path):
+    config = load_config(tiny_run_flags(tiny_models, tiny_data, tmp_path))
+    base = make_plan(config, device_for("h100", None, None))
+    scaled = make_plan(config, device_for("h100", None, None), phase2_pairs=10 * base.texts["phase2 queries"])
+    assert scaled.texts["phase2 passages"] == 10 * base.texts["phase2 passages"]
+    assert scaled.tokens["phase2"]["teacher"] == pytest.approx(10 * base.tokens["phase2"]["teacher"], rel=1e-6)
+    assert scaled.texts["phase1 texts"] == base.texts["phase1 texts"]
+
+
+def test_json_has_the_totals_and_bad_input_is_one_line(tiny_models, tiny_data, tmp_path, capsys):
+    flags = tiny_run_flags(tiny_models, tiny_data, tmp_path)
+    assert plan.main([*flags, "--device", "h100", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert {"teacher_seconds", "train_seconds", "cache_bytes"} <= set(figures)
+    assert plan.main([*flags, "--device", "h100"]) == 0
+    text = capsys.readouterr().out
+    assert "the bill: " in text and "dominates" in text and "assumed: 40% / 8% of the bf16 dense peak" in text
+    assert plan.main([*flags, "--device", "tpu"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --device: expected cpu or one of h100, h200, a100, l4, got 'tpu'"
+    ]
+    assert plan.main([*flags, "--batch_size", "0", "--device", "h100"]) == 2
+    assert "batch_size: expected a number greater than 0" in capsys.readouterr().err
+
+
+def test_a_teacher_folder_with_a_config_only_is_counted_with_the_students_tokenizer(tiny_models, tiny_data, tmp_path):
+    """A 7B teacher's config.json alone is enough to plan for it (its tokenizer counts when it is there)."""
+    from transformers import AutoConfig
+
+    config_only = tmp_path / "teacher-config"
+    AutoConfig.from_pretrained(tiny_models["teacher"]).save_pretrained(config_only)
+    flags = tiny_run_flags(tiny_models, tiny_data, tmp_path / "out", teacher_model=config_only)
+    figures = make_plan(load_config(flags), device_for("h100", None, None))
+    assert figures.assumptions["teacher_tokenizer"].startswith("the student's")
+    shape = model_shape(config_only)
+    assert shape.dim == shape.width and figures.parameters["teacher"] == shape.parameters
+
+
+def test_the_cpu_rate_is_timed_here():
+    device = device_for("cpu", None, None)
+    assert device.teacher_rate > 0 and "of this CPU's float32 matmul rate" in device.rates
+    assert device.base_bytes > 0 and torch.get_num_threads() >= 1
