@@ -51,12 +51,16 @@ def card_scores(figures: dict) -> dict[RunScores, dict[str, float]]:
     after = figures.get("student_after") or {}
     scores: dict[RunScores, dict[str, float]] = {}
     retrieval = {f"cosine_{k}": after[k] for k in ("ndcg@10", "mrr@10") if isinstance(after.get(k), float)}
+    datasets = after.get("datasets_ndcg@10") or {}
+    name = "NanoBEIR_mean" if datasets else "held-out"
     if retrieval:
         queries = {"queries": len(after["ranks@10"])} if "ranks@10" in after else {}
-        scores[RunScores("held-out", "Information Retrieval", "cosine_ndcg@10", queries)] = retrieval
+        scores[RunScores(name, "Information Retrieval", "cosine_ndcg@10", queries)] = retrieval
+    for dataset, value in datasets.items():  # NanoBEIR: each dataset, named as sentence-transformers' cards name it
+        scores[RunScores(dataset, "Information Retrieval", "cosine_ndcg@10")] = {"cosine_ndcg@10": value}
     widths = sorted(((int(d), v) for d, v in (after.get("matryoshka_ndcg@10") or {}).items()), reverse=True)
-    for dim, value in widths[1:]:  # the widest is the model's own width: the held-out row above
-        scores[RunScores(f"held-out-dim_{dim}", "Information Retrieval", "cosine_ndcg@10", {"truncate_dim": dim})] = {
+    for dim, value in widths[1:]:  # the widest is the model's own width: the row above
+        scores[RunScores(f"{name}-dim_{dim}", "Information Retrieval", "cosine_ndcg@10", {"truncate_dim": dim})] = {
             "cosine_ndcg@10": value
         }
     if isinstance(after.get("sts_spearman"), float):

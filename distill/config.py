@@ -168,7 +168,13 @@ class DataConfig:
     )
     eval_data: str = _opt(
         default="auto",
-        help="Evaluation: 'auto' (held-out phase-2 pairs, or the embedded set), 'embedded', or 'none'.",
+        help="Evaluation: 'auto' (held-out phase-2 pairs, or the embedded set), 'embedded', 'nanobeir' "
+        "(sentence-transformers/NanoBEIR-en from the Hub; 'nanobeir:DATASET' for another copy or a local folder in "
+        "its format), or 'none'.",
+    )
+    nanobeir_datasets: str | None = _opt(
+        default=None,
+        help="With --eval_data nanobeir: the datasets, comma-separated (msmarco,nq,scifact,...; default all 13).",
     )
     max_samples_phase1: int = _opt(default=100000, check=POSITIVE, help="Cap on phase-1 texts.")
     embedded_lee_background: bool = _opt(

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 EMBEDDED = "embedded"
+NANOBEIR = "nanobeir"
+NANOBEIR_HUB = "sentence-transformers/NanoBEIR-en"  # sentence-transformers' NanoBEIREvaluator's default
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 TEXT_COLUMNS = ("text", "sentence", "sentences", "passage", "content", "document", "anchor")
 QUERY_COLUMNS = ("query", "question", "anchor", "queries")
@@ -55,8 +57,25 @@ class Pairs:
 
 
 @dataclass
+class EvalGroup:
+    """One benchmark dataset inside an evaluation set: its rows, and each query's relevant corpus rows.
+
+    `relevant[i]` holds the rows, counted from the group's first corpus row, that judge query `queries[i]` relevant.
+    """
+
+    name: str
+    queries: range
+    corpus: range
+    relevant: list[set[int]]
+
+
+@dataclass
 class EvalSet:
-    """Held-out retrieval (query i is relevant to corpus[relevant[i]]) and optional STS pairs."""
+    """Held-out retrieval (query i is relevant to corpus[relevant[i]]) and optional STS pairs.
+
+    A benchmark of several datasets (NanoBEIR) has `groups`: each query is ranked against its own dataset's
+    corpus, and `relevant` is unused.
+    """
 
     queries: list[str]
     corpus: list[str]
@@ -64,6 +83,7 @@ class EvalSet:
     sts_texts: list[str] = field(default_factory=list)
     sts_pairs: list[tuple[int, int]] = field(default_factory=list)
     sts_scores: list[float] = field(default_factory=list)
+    groups: list[EvalGroup] = field(default_factory=list)
 
 
 @dataclass
@@ -105,8 +125,13 @@ def load_data(
     elif config.eval_data == "auto":
         phase2, evaluation = hold_out(phase2, holdout, seed)
         evaluation.sts_texts, evaluation.sts_pairs, evaluation.sts_scores = optional_lee_sts()
+    elif config.eval_data.split(":", 1)[0] == NANOBEIR:
+        evaluation = nanobeir_eval_set(config.eval_data, config.nanobeir_datasets)
+        evaluation.sts_texts, evaluation.sts_pairs, evaluation.sts_scores = optional_lee_sts()
     elif config.eval_data != "none":
-        raise DistillError(f"eval_data: expected 'auto', 'embedded' or 'none', got {config.eval_data!r}")
+        raise DistillError(
+            f"eval_data: expected auto, embedded, nanobeir, nanobeir:DATASET or none, got {config.eval_data!r}"
+        )
     if not need_phase2:
         phase2 = Pairs([], [])
     elif len(phase2) > config.max_samples_phase2:
@@ -541,3 +566,58 @@ def passage_texts(pairs: Pairs) -> tuple[list[str], np.ndarray]:
     if per_query:
         rows = np.concatenate([rows, count + np.arange(count * per_query).reshape(count, per_query)], axis=1)
     return texts, rows
+
+
+def nanobeir_eval_set(eval_data: str, names: str | None) -> EvalSet:
+    """NanoBEIR (`nanobeir`, or `nanobeir:DATASET` for another language's copy or a local folder) as the run's
+    evaluation set: the datasets `names` lists (comma-separated; default all 13), each a group ranked on its own.
+
+    The data is read as sentence-transformers' `NanoBEIREvaluator` reads it: subsets corpus, queries and qrels,
+    one split per dataset named Nano<Dataset>.
+    """
+    from sentence_transformers.sentence_transformer.evaluation.nano_beir import DATASET_NAME_TO_HUMAN_READABLE
+
+    dataset_id = eval_data.split(":", 1)[1] if ":" in eval_data else NANOBEIR_HUB
+    chosen = (
+        [n.strip().lower() for n in names.split(",") if n.strip()] if names else list(DATASET_NAME_TO_HUMAN_READABLE)
+    )
+    unknown = [n for n in chosen if n not in DATASET_NAME_TO_HUMAN_READABLE]
+    if unknown:
+        raise DistillError(
+            f"nanobeir_datasets: unknown {', '.join(unknown)}; choose from {', '.join(DATASET_NAME_TO_HUMAN_READABLE)}"
+        )
+    evaluation = EvalSet([], [], [])
+    for name in chosen:
+        split = f"Nano{DATASET_NAME_TO_HUMAN_READABLE[name]}"
+        corpus = {r["_id"]: r["text"] for r in _nanobeir_rows(dataset_id, "corpus", split) if r["text"]}
+        queries = {r["_id"]: r["text"] for r in _nanobeir_rows(dataset_id, "queries", split) if r["text"]}
+        judged: dict[str, set[str]] = {}
+        for r in _nanobeir_rows(dataset_id, "qrels", split):
+            ids = r["corpus-id"] if isinstance(r["corpus-id"], list) else [r["corpus-id"]]
+            judged.setdefault(r["query-id"], set()).update(i for i in ids if i in corpus)
+        rows = {doc: row for row, doc in enumerate(corpus)}
+        asked = [q for q in queries if judged.get(q)]  # a query with no judged passage in the corpus scores nothing
+        first_query, first_passage = len(evaluation.queries), len(evaluation.corpus)
+        evaluation.queries += [queries[q] for q in asked]
+        evaluation.corpus += list(corpus.values())
+        evaluation.groups.append(
+            EvalGroup(
+                split,
+                range(first_query, len(evaluation.queries)),
+                range(first_passage, len(evaluation.corpus)),
+                [{rows[doc] for doc in judged[q]} for q in asked],
+            )
+        )
+    return evaluation
+
+
+def _nanobeir_rows(dataset_id: str, subset: str, split: str) -> Any:
+    from datasets import load_dataset
+
+    try:
+        return load_dataset(dataset_id, subset, split=split)
+    except Exception as e:  # offline, no such dataset or split: one line that says what NanoBEIR needs
+        raise DistillError(
+            f"eval_data nanobeir: cannot read {dataset_id!r} (subset {subset!r}, split {split!r}: {_first_line(e)}); "
+            "NanoBEIR needs the Hub, or a local copy in the same format: --eval_data nanobeir:FOLDER"
+        ) from None

@@ -74,9 +74,16 @@ def top_hits(queries: np.ndarray, corpus: np.ndarray) -> tuple[np.ndarray, np.nd
     return ordered.values[:, :k].numpy(), ordered.indices[:, :k].numpy()
 
 
-def ranks_of(rows: np.ndarray, relevant: list[int]) -> np.ndarray:
-    """Per query, the 0-based position of its relevant passage in its `top_hits` rows; -1 outside them."""
-    hits = rows == np.asarray(relevant)[:, None]  # (queries, k): at most one True per row
+Relevant = list[int] | list[set[int]]  # per query: its one relevant corpus row, or the set of them
+
+
+def ranks_of(rows: np.ndarray, relevant: Relevant) -> np.ndarray:
+    """Per query, the 0-based position of its (first) relevant passage in its `top_hits` rows; -1 outside them."""
+    if relevant and isinstance(relevant[0], set):
+        hits = np.array([[row in judged for row in query_rows] for query_rows, judged in zip(rows.tolist(), relevant)])
+    else:
+        hits = rows == np.asarray(relevant)[:, None]  # (queries, k): at most one True per row
+    hits = hits.reshape(rows.shape)
     return np.where(hits.any(axis=1), hits.argmax(axis=1), -1)
 
 
@@ -94,7 +101,7 @@ def ndcg_per_query(ranks: np.ndarray) -> np.ndarray:
     return np.where(ranks >= 0, 1.0 / np.log2(np.maximum(ranks, 0) + 2.0), 0.0)
 
 
-def hits_metrics(scores: np.ndarray, rows: np.ndarray, relevant: list[int], corpus_size: int) -> dict[str, float]:
+def hits_metrics(scores: np.ndarray, rows: np.ndarray, relevant: Relevant, corpus_size: int) -> dict[str, float]:
     """nDCG@10 and MRR@10 of ranked hits (`top_hits`), by sentence-transformers' `InformationRetrievalEvaluator`.
 
     The evaluator encodes with its model on one process; distill encodes sharded over every process and gathers,
@@ -102,10 +109,11 @@ def hits_metrics(scores: np.ndarray, rows: np.ndarray, relevant: list[int], corp
     """
     width = len(str(max(corpus_size - 1, 0)))
     corpus_id = [f"{row:0{width}d}" for row in range(corpus_size)]  # zero-padded: id order is row order, for ties
+    judged: list[set[int]] = [r if isinstance(r, set) else {r} for r in relevant]
     evaluator = InformationRetrievalEvaluator(
         queries={str(i): "" for i in range(len(relevant))},  # the texts are not needed: the hits are given
         corpus=dict.fromkeys(corpus_id, ""),
-        relevant_docs={str(i): {corpus_id[row]} for i, row in enumerate(relevant)},
+        relevant_docs={str(i): {corpus_id[r] for r in rows_of} for i, rows_of in enumerate(judged)},
         mrr_at_k=[TOP_K],
         ndcg_at_k=[TOP_K],
         accuracy_at_k=[TOP_K],
@@ -121,9 +129,37 @@ def hits_metrics(scores: np.ndarray, rows: np.ndarray, relevant: list[int], corp
     return {"ndcg@10": float(metrics["ndcg@k"][TOP_K]), "mrr@10": float(metrics["mrr@k"][TOP_K])}
 
 
-def retrieval_metrics(queries: np.ndarray, corpus: np.ndarray, relevant: list[int]) -> dict[str, float]:
-    """nDCG@10 and MRR@10 with one relevant passage per query, by cosine similarity."""
+def retrieval_metrics(queries: np.ndarray, corpus: np.ndarray, relevant: Relevant) -> dict[str, float]:
+    """nDCG@10 and MRR@10 with one relevant passage per query (or a set of them), by cosine similarity."""
     return hits_metrics(*top_hits(queries, corpus), relevant, len(corpus))
+
+
+def set_retrieval(queries: np.ndarray, corpus: np.ndarray, eval_set: EvalSet) -> dict[str, object]:
+    """nDCG@10, MRR@10 and each query's rank (`ranks@10`) on the evaluation set.
+
+    A benchmark of several datasets (`eval_set.groups`, NanoBEIR) ranks each query against its own dataset's corpus
+    and averages the datasets' scores, as sentence-transformers' `NanoBEIREvaluator` does; `datasets_ndcg@10` then
+    holds each dataset's nDCG@10.
+    """
+    if not eval_set.groups:
+        scores, rows = top_hits(queries, corpus)
+        return {
+            **hits_metrics(scores, rows, eval_set.relevant, len(corpus)),
+            "ranks@10": ranks_of(rows, eval_set.relevant).tolist(),
+        }
+    by_group: dict[str, dict[str, float]] = {}
+    ranks: list[int] = []
+    for group in eval_set.groups:
+        group_corpus = corpus[group.corpus.start : group.corpus.stop]
+        scores, rows = top_hits(queries[group.queries.start : group.queries.stop], group_corpus)
+        by_group[group.name] = hits_metrics(scores, rows, group.relevant, len(group_corpus))
+        ranks += ranks_of(rows, group.relevant).tolist()
+    return {
+        "ndcg@10": float(np.mean([m["ndcg@10"] for m in by_group.values()])),
+        "mrr@10": float(np.mean([m["mrr@10"] for m in by_group.values()])),
+        "ranks@10": ranks,
+        "datasets_ndcg@10": {name: m["ndcg@10"] for name, m in by_group.items()},
+    }
 
 
 def sts_spearman(vectors: np.ndarray, pairs: list[tuple[int, int]], scores: list[float]) -> float:
@@ -140,11 +176,7 @@ def score(vectors: EvalVectors, eval_set: EvalSet, teacher: EvalVectors | None =
     `ranks@10` keeps each query's rank (`retrieval_ranks`), so two models scored on the same set can be
     compared query by query (the quality benchmark's paired bootstrap); it is not a scalar, so trackers skip it.
     """
-    scores, rows = top_hits(vectors.queries, vectors.corpus)
-    metrics: dict[str, object] = {
-        **hits_metrics(scores, rows, eval_set.relevant, len(vectors.corpus)),
-        "ranks@10": ranks_of(rows, eval_set.relevant).tolist(),
-    }
+    metrics = set_retrieval(vectors.queries, vectors.corpus, eval_set)
     if vectors.sts is not None and eval_set.sts_pairs:
         metrics["sts_spearman"] = sts_spearman(vectors.sts, eval_set.sts_pairs, eval_set.sts_scores)
     if teacher is not None:
@@ -178,16 +210,14 @@ def evaluate_student(
     metrics: dict[str, object] = score(target, inputs.eval_set, teacher)
     if model.projection is not None:
         own = EvalVectors(encoded["queries"][0], encoded["corpus"][0], None)
-        metrics["ndcg@10_student_dim"] = retrieval_metrics(own.queries, own.corpus, inputs.eval_set.relevant)["ndcg@10"]
+        metrics["ndcg@10_student_dim"] = set_retrieval(own.queries, own.corpus, inputs.eval_set)["ndcg@10"]
         # Asymmetric retrieval: the exported student's (projected) queries against an index the teacher built.
-        metrics["ndcg@10_asymmetric"] = retrieval_metrics(target.queries, teacher.corpus, inputs.eval_set.relevant)[
-            "ndcg@10"
-        ]
+        metrics["ndcg@10_asymmetric"] = set_retrieval(target.queries, teacher.corpus, inputs.eval_set)["ndcg@10"]
     if matryoshka_dims:
         metrics["matryoshka_ndcg@10"] = {
-            str(d): retrieval_metrics(
-                _truncate_np(target.queries, d), _truncate_np(target.corpus, d), inputs.eval_set.relevant
-            )["ndcg@10"]
+            str(d): set_retrieval(_truncate_np(target.queries, d), _truncate_np(target.corpus, d), inputs.eval_set)[
+                "ndcg@10"
+            ]
             for d in matryoshka_dims
         }
     return metrics

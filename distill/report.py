@@ -36,6 +36,12 @@ def results_table(results: dict) -> str:
     for metric in metrics:
         cells = [f"{results[c][metric]:.4f}" if metric in results[c] else "" for c in columns]
         lines.append(f"| {metric} | " + " | ".join(cells) + " |")
+    datasets = [c for c in columns if "datasets_ndcg@10" in results[c]]
+    if datasets:  # a benchmark of several datasets (NanoBEIR): each one's nDCG@10
+        lines += ["", "| dataset (nDCG@10) | " + " | ".join(datasets) + " |", "|---|" + "---|" * len(datasets)]
+        for name in results[datasets[0]]["datasets_ndcg@10"]:
+            cells = [f"{results[c]['datasets_ndcg@10'].get(name, float('nan')):.4f}" for c in datasets]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     matryoshka = results.get("student_after", {}).get("matryoshka_ndcg@10")
     if matryoshka:
         lines += ["", "| Matryoshka dim | nDCG@10 |", "|---|---|"]

@@ -315,7 +315,9 @@ def test_load_data_eval_none_and_skipped_phases(tiny_data: dict[str, Path]) -> N
 
 def test_load_data_bad_eval_choice(tiny_data: dict[str, Path]) -> None:
     config = DataConfig(phase1_data=str(tiny_data["texts"]), phase2_data=str(tiny_data["pairs"]), eval_data="heldout")
-    with pytest.raises(DistillError, match=r"eval_data: expected 'auto', 'embedded' or 'none', got 'heldout'"):
+    with pytest.raises(
+        DistillError, match=r"eval_data: expected auto, embedded, nanobeir, nanobeir:DATASET or none, got 'heldout'"
+    ):
         load_data(config, seed=0)
 
 

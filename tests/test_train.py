@@ -1062,3 +1062,43 @@ def test_a_config_files_setting_that_a_flag_makes_irrelevant_is_said_once_and_th
         "embedded phase-1 data only"
     ]
     assert results_of(out)["config"]["embedded_lee_background"] is False
+
+
+def test_nanobeir_scores_every_model_as_sentence_transformers_evaluator_does(
+    tiny_models, tiny_data, nanobeir_stand_in, tmp_path
+):
+    """--eval_data nanobeir:FOLDER (NanoBEIR-en's format): teacher and students scored per dataset, the mean as
+    nDCG@10; the exported model's figures are what sentence-transformers' NanoBEIREvaluator reports for it."""
+    from sentence_transformers.sentence_transformer.evaluation import NanoBEIREvaluator
+
+    out = tmp_path / "nano"
+    names = "scifact,nfcorpus"
+    flags = tiny_run_flags(
+        tiny_models, tiny_data, out, eval_data=f"nanobeir:{nanobeir_stand_in}", nanobeir_datasets=names
+    )
+    assert main([*flags, "--skip_phase2", "--use_projection", "False", "--save_to_artifacts"]) == 0
+    results = results_of(out)
+    for row in ("teacher", "student_before", "student_after"):
+        assert set(results[row]["datasets_ndcg@10"]) == {"NanoSciFact", "NanoNFCorpus"}, row
+    after = results["student_after"]
+    model = SentenceTransformer(str(out / "artifacts" / "model"), device="cpu")
+    reference = NanoBEIREvaluator(dataset_names=names.split(","), dataset_id=str(nanobeir_stand_in), write_csv=False)
+    scores = reference(model)
+    assert after["ndcg@10"] == pytest.approx(scores["NanoBEIR_mean_cosine_ndcg@10"], abs=1e-6)
+    assert after["mrr@10"] == pytest.approx(scores["NanoBEIR_mean_cosine_mrr@10"], abs=1e-6)
+    for dataset, value in after["datasets_ndcg@10"].items():
+        assert value == pytest.approx(scores[f"{dataset}_cosine_ndcg@10"], abs=1e-6), dataset
+    assert len(after["ranks@10"]) == 14  # 7 judged queries per dataset
+    card = (out / "artifacts" / "model" / "README.md").read_text()
+    assert "type: NanoBEIR_mean" in card and "type: NanoSciFact" in card
+    assert "| NanoNFCorpus |" in (out / "report.md").read_text()
+
+
+def test_nanobeir_from_the_hub_offline_is_one_line_before_any_model(tiny_models, tiny_data, tmp_path, capsys):
+    flags = tiny_run_flags(tiny_models, tiny_data, tmp_path / "x", eval_data="nanobeir")
+    assert main(flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "error: eval_data nanobeir: cannot read 'sentence-transformers/NanoBEIR-en'"
+    )
+    assert err[0].endswith("NanoBEIR needs the Hub, or a local copy in the same format: --eval_data nanobeir:FOLDER")
