@@ -35,6 +35,9 @@ from distill.errors import DistillError
 
 SAMPLE = 2000  # texts per list tokenized for the length statistics
 CACHE_ENTRY_OVERHEAD = 128 + 400  # an entry's .npy header and its manifest.json
+# A checkpoint's files besides the weights and AdamW's moments: RNG states, the scheduler, state.json (about 25 KB),
+# and the optimizer's pickle, about 1.4 KB per parameter tensor (measured on the tiny test models).
+CHECKPOINT_FIXED_BYTES, CHECKPOINT_BYTES_PER_TENSOR = 25_000, 1_400
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class Device:
     bytes_per_param: int  # the teacher's compute dtype: bf16 on a GPU, float32 on a CPU
     activation_bytes: int  # float32 on a CPU; bf16 autocast on a GPU keeps some tensors in float32
     base_bytes: int  # a process's memory before its models and data (a CPU's RSS; a GPU's is its own)
+    memory_bytes: float = 0.0  # a GPU's memory; 0: not checked (a CPU)
 
 
 def device_for(name: str, teacher_tflops: float | None, student_tflops: float | None) -> Device:
@@ -91,7 +95,7 @@ def device_for(name: str, teacher_tflops: float | None, student_tflops: float | 
         rates = f"{GPU_TEACHER_UTILISATION:.0%} / {GPU_STUDENT_UTILISATION:.0%} of the bf16 dense peak"
         rates += f" ({kind.peak_flops / 1e12:.0f} TFLOP/s)"
         teacher, student = kind.peak_flops * GPU_TEACHER_UTILISATION, kind.peak_flops * GPU_STUDENT_UTILISATION
-        device = Device(kind.name, teacher, student, rates, kind.link_bytes_per_s, 2, 3, 0)
+        device = Device(kind.name, teacher, student, rates, kind.link_bytes_per_s, 2, 3, 0, kind.memory_bytes)
     if teacher_tflops or student_tflops:
         device = replace(
             device,
@@ -109,6 +113,7 @@ class ModelShape:
     parameters: int
     embedding_parameters: int  # lookup tables: no FLOPs per token
     frozen_parameters: int  # a pooler sentence-transformers never calls: no FLOPs, no gradients
+    tensors: int  # parameter tensors
     layers: int
     width: int
     ffn: int
@@ -169,9 +174,11 @@ class Plan:
     student_memory_bytes: int
     allreduce_bytes_per_step: int
     allreduce_seconds_per_step: float
-    checkpoint_bytes: int
+    checkpoint_bytes: int  # every checkpoint kept at once (--checkpoints_total_limit, plus the one being written)
+    checkpoint_bytes_each: int
     parameters: dict[str, int]
     dominant: str
+    device_memory_bytes: float = 0.0
     assumptions: dict[str, Any] = field(default_factory=dict)
 
 
@@ -217,6 +224,7 @@ def model_shape(folder: Path, num_layers: int | None = None, trust_remote_code: 
         parameters=total,
         embedding_parameters=embedding,
         frozen_parameters=pooler,
+        tensors=len(list(model.parameters())),
         layers=int(config.num_hidden_layers),
         width=width,
         ffn=int(getattr(config, "intermediate_size", 4 * width) or 4 * width),
@@ -334,7 +342,12 @@ def make_plan(
     allreduce = int(ring * (student.trainable_parameters + projection) * gradient_bytes)
     link = device.link_bytes_per_s if machines == 1 else min(device.link_bytes_per_s, INTER_MACHINE_BYTES_PER_S)
     teacher_memory, student_memory = memory(config, device, teacher, student, measured, projection)
-    checkpoint_one = (student.parameters + projection) * 4 + (student.trainable_parameters + projection) * 8
+    checkpoint_one = (
+        (student.parameters + projection) * 4
+        + (student.trainable_parameters + projection) * 8
+        + CHECKPOINT_FIXED_BYTES
+        + CHECKPOINT_BYTES_PER_TENSOR * (student.tensors + (2 if projection else 0))
+    )
     kept = config.checkpoint.checkpoints_total_limit + 1 if config.checkpoint.checkpoint_steps else 1
     phases = list(dict.fromkeys(t.phase for t in measured))
     return Plan(
@@ -361,6 +374,7 @@ def make_plan(
         allreduce_bytes_per_step=allreduce,
         allreduce_seconds_per_step=allreduce / link if allreduce and link else 0.0,
         checkpoint_bytes=checkpoint_one * kept,
+        checkpoint_bytes_each=checkpoint_one,
         parameters={
             "teacher": teacher.parameters,
             "teacher_dense": teacher.dense_parameters,
@@ -368,6 +382,7 @@ def make_plan(
             "student_dense": student.dense_parameters,
         },
         dominant="the teacher's encoding" if teacher_seconds >= train_seconds else "the student's training",
+        device_memory_bytes=device.memory_bytes,
         assumptions={
             "teacher_flops_per_second": device.teacher_rate,
             "student_flops_per_second": device.student_rate,
@@ -400,7 +415,10 @@ def measure_texts(config: Config, teacher_folder: Path, student_folder: Path) ->
         t_mean, t_square, _ = length_stats(teacher_tokenizer, chosen, spec.prompt(role), spec.max_seq_length)
         s_mean, s_square, s_max = length_stats(student_tokenizer, chosen, "", student_length)
         measured.append(TextList(name, phase, len(texts), t_mean, t_square, s_mean, s_square, s_max))
-    return measured, "the teacher's" if own is not None else "the student's (the teacher folder has none)"
+    return (
+        measured,
+        "the teacher's tokenizer" if own is not None else "the student's tokenizer (the teacher's folder has none)",
+    )
 
 
 def training_flops(
@@ -415,7 +433,15 @@ def training_flops(
         trained = [t for t in measured if t.phase == phase]
         if not trained:
             continue
-        per_epoch = sum(3 * student.forward_flops(t.count, t.student_tokens, t.student_square) for t in trained)
+        mined = config.data.mine_hard_negatives  # other pairs' passages, forwarded again as negatives
+        passes = 4 if training.gradient_checkpointing else 3  # checkpointing recomputes the forward pass
+        per_epoch = sum(
+            passes
+            * student.forward_flops(
+                t.count * (1 + mined if t.name == "phase2 passages" else 1), t.student_tokens, t.student_square
+            )
+            for t in trained
+        )
         per_epoch += sum(3 * 2 * student.dim * projection_width * t.count for t in trained)  # projection mode
         flops[phase] = per_epoch * epochs[phase]
         batches = trained[0].count // (training.batch_size * processes)  # the last partial batch is dropped
@@ -438,8 +464,11 @@ def memory(
     teacher_batch = training.teacher_batch_size or training.batch_size
     teacher_activations = teacher_batch * longest * (5 * teacher.width + 2 * teacher.ffn)
     teacher_bytes = teacher.parameters * device.bytes_per_param + teacher_activations * device.bytes_per_param
-    texts_per_step = training.batch_size * (1 if training.skip_phase2 else 2)
-    kept = student.layers * texts_per_step * longest * (10 * student.width + 2 * student.ffn)
+    texts_per_step = training.batch_size * (1 if training.skip_phase2 else 2 + config.data.mine_hard_negatives)
+    per_layer = texts_per_step * longest * (10 * student.width + 2 * student.ffn)
+    # with gradient checkpointing each layer keeps its input only, and one layer's activations are recomputed at once
+    checkpointed = student.layers * texts_per_step * longest * student.width + per_layer
+    kept = checkpointed if training.gradient_checkpointing else student.layers * per_layer
     student_bytes = (
         (student.parameters + projection) * 4
         + (student.trainable_parameters + projection) * 12  # gradients and AdamW's two moments, float32
@@ -557,6 +586,17 @@ def plan_text(plan: Plan) -> str:
         ),
         f"checkpoints on disk: {plan.checkpoint_bytes / 1e6:,.0f} MB",
     ]
+    limit = plan.device_memory_bytes
+    if limit and plan.student_memory_bytes > limit:
+        lines.append(
+            f"does not fit: the student needs {plan.student_memory_bytes / 2**30:.0f} GiB of the device's "
+            f"{limit / 2**30:.0f} GiB; lower --batch_size, or pass --gradient_checkpointing True"
+        )
+    if limit and plan.teacher_memory_bytes > limit:
+        lines.append(
+            f"does not fit: the teacher needs {plan.teacher_memory_bytes / 2**30:.0f} GiB of the device's "
+            f"{limit / 2**30:.0f} GiB; lower --teacher_batch_size"
+        )
     total = plan.teacher_seconds + plan.train_seconds
     share = max(plan.teacher_seconds, plan.train_seconds) / total if total else 0
     device_hours = total * plan.processes / 3600
@@ -565,7 +605,7 @@ def plan_text(plan: Plan) -> str:
         f"the bill: {plan.dominant} dominates ({share:.0%} of {duration(total)}; {device_hours:,.2f} device-hours "
         "before loading, evaluation and checkpoints)",
         f"assumed: {plan.assumptions['rates']}; teacher tokens counted with {plan.assumptions['teacher_tokenizer']} "
-        f"tokenizer on up to {SAMPLE:,} texts per list",
+        f"on up to {SAMPLE:,} texts per list",
     ]
     return "\n".join(lines)
 
