@@ -80,11 +80,13 @@ def hub_dataset_id(source: str) -> str | None:
     return None if path.exists() else str(path)
 
 
-def source_name(source: str, settings: dict) -> str:
-    """How the card names a data source: its Hub id, its file name, or what the embedded data is."""
-    if source == EMBEDDED:
+def source_name(source: str, phase: str, settings: dict) -> str:
+    """How the card names a phase's data source: its Hub id, its file name, or what the embedded data is."""
+    if source == EMBEDDED and phase == "phase1":
         news = " and Lee news" if settings.get("embedded_lee_background") else ""
-        return f"embedded: Wikipedia{news} (gensim's test data)"
+        return f"Wikipedia{news} sentences from gensim's test data"
+    if source == EMBEDDED:
+        return "Wikipedia inverse-cloze pairs from gensim's test data"
     return hub_dataset_id(source) or Path(source).name
 
 
@@ -100,7 +102,8 @@ def train_datasets(settings: dict, figures: dict) -> list[dict[str, Any]]:
     for phase, figures_of_phase in (figures.get("phases") or {}).items():
         key, columns, loss, loss_config = phases[phase]
         source = str(settings.get(key, ""))
-        entry: dict[str, Any] = {"name": f"{phase}: {source_name(source, settings)}", "columns": columns}
+        name = f"{source_name(source, phase, settings)} (phase {phase[-1]})"
+        entry: dict[str, Any] = {"name": name, "columns": columns}
         if dataset_id := hub_dataset_id(source):
             entry["id"] = dataset_id
         if figures_of_phase.get("examples"):
