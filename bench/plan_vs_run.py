@@ -26,12 +26,9 @@ from quality import machine, versions
 from run import ROOT, run_process, write_report
 
 from distill.allocator import find_tcmalloc
+from distill.files import folder_bytes
 
 TIME_MARGIN, SIZE_MARGIN = 0.30, 0.10  # issue 39's: seconds within 30%, memory and bytes within 10%
-
-
-def folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def plan(config: str, checkpoint_steps: int) -> dict:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,11 +11,8 @@ from sentence_transformers import SentenceTransformer
 from conftest import reset_accelerate, tiny_run_flags
 from distill import plan
 from distill.config import load_config
+from distill.files import folder_bytes
 from distill.plan import device_for, make_plan, model_shape
-
-
-def folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
