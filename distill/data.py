@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from distill import embedded
 from distill.config import DataConfig
-from distill.errors import DistillError
+from distill.errors import DistillError, first_line
 from distill.files import folder_bytes
 from distill.hub import BAR_BYTES, bytes_bar
 
@@ -417,7 +417,7 @@ def _load_from_disk(path: Path, source: str) -> Dataset:
         loaded = datasets.load_from_disk(str(path))
     except (OSError, ValueError, KeyError) as e:
         raise DistillError(
-            f"data {source!r} could not be loaded ({_first_line(e)}); pass a folder written by save_to_disk, "
+            f"data {source!r} could not be loaded ({first_line(e)}); pass a folder written by save_to_disk, "
             "or a folder of .jsonl/.json/.csv/.parquet files"
         ) from None
     return loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded
@@ -444,7 +444,7 @@ def _stream(path: str, source: str, size: int | None, **kwargs: Any) -> Iterator
                 return
             except Exception as e:  # as above: pyarrow's, json's and datasets' own errors
                 raise DistillError(
-                    f"data {source!r} could not be read ({_first_line(e)}); check that it is well-formed "
+                    f"data {source!r} could not be read ({first_line(e)}); check that it is well-formed "
                     "(a .jsonl holds one complete JSON object per line) and UTF-8"
                 ) from None
             bar.update()
@@ -459,15 +459,10 @@ def _load_error(error: Exception, source: str) -> DistillError:
             f"data {source!r} has several subsets ({subsets.group(1)}); name one as NAME:SUBSET, e.g. {source}:{first}"
         )
     return DistillError(
-        f"data {source!r} could not be loaded ({_first_line(error)}); pass a local "
+        f"data {source!r} could not be loaded ({first_line(error)}); pass a local "
         ".jsonl/.json/.csv/.parquet/.txt file or dataset folder, a Hub dataset (NAME or NAME:SUBSET, with "
         "a train split), or 'embedded' when the Hub is not reachable"
     )
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return (text.splitlines()[0] if text else type(error).__name__)[:200]
 
 
 def pick_column(
@@ -618,6 +613,6 @@ def _nanobeir_rows(dataset_id: str, subset: str, split: str) -> Any:
         return load_dataset(dataset_id, subset, split=split)
     except Exception as e:  # offline, no such dataset or split: one line that says what NanoBEIR needs
         raise DistillError(
-            f"eval_data nanobeir: cannot read {dataset_id!r} (subset {subset!r}, split {split!r}: {_first_line(e)}); "
+            f"eval_data nanobeir: cannot read {dataset_id!r} (subset {subset!r}, split {split!r}: {first_line(e)}); "
             "NanoBEIR needs the Hub, or a local copy in the same format: --eval_data nanobeir:FOLDER"
         ) from None

@@ -33,6 +33,18 @@ def first_sentences(text: str, count: int, limit: int) -> str:
     return ". ".join(sentences[:count]).rstrip(".")[:limit]
 
 
+def first_line(error: BaseException | str, limit: int | None = 200, named: bool = False) -> str:
+    """The first line of an error's message (its type's name when it has none), at most `limit` characters.
+
+    `named`: prefixed with the type's name, as in `OfflineModeIsEnabled: Cannot reach ...`.
+    """
+    text = str(error).strip()
+    line = text.splitlines()[0] if text else ""
+    if isinstance(error, BaseException) and (named or not line):
+        line = f"{type(error).__name__}: {line}" if line else type(error).__name__
+    return line[:limit] if limit else line
+
+
 def memory_message(error: BaseException) -> str:
     """The useful start of a torch out-of-memory message ('CUDA out of memory. Tried to allocate 2.00 GiB. ...')."""
     return first_sentences(str(error) or type(error).__name__, 3, 240)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 from unittest.mock import patch
 
 from distill.data import NANOBEIR_HUB
-from distill.errors import DistillError
+from distill.errors import DistillError, first_line
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -74,7 +74,7 @@ def nanobeir_scores(
     except ValueError as e:  # no such dataset name, or its data cannot be read
         cause = f"{e} ({e.__cause__})" if e.__cause__ else str(e)
         raise DistillError(
-            f"--nanobeir: {first_line(cause)}; NanoBEIR needs the Hub, or a local copy in the same format: "
+            f"--nanobeir: {first_line(cause, 300)}; NanoBEIR needs the Hub, or a local copy in the same format: "
             "--nanobeir FOLDER"
         ) from None
     return {k: float(v) for k, v in evaluator(model).items() if k.endswith(("ndcg@10", "mrr@10"))}
@@ -90,7 +90,7 @@ def mteb_scores(model: SentenceTransformer, names: str, batch_size: int) -> dict
     try:
         tasks = mteb.get_tasks(tasks=wanted)
     except KeyError as e:
-        why = first_line(str(e.args[0]) if e.args else "").removeprefix("KeyError: ")
+        why = first_line(str(e.args[0]) if e.args else "", 300).removeprefix("KeyError: ")
         raise DistillError(f"--mteb: {why}; give task names as MTEB spells them") from None
     scores = {}
     for task in tasks:
@@ -101,15 +101,11 @@ def mteb_scores(model: SentenceTransformer, names: str, batch_size: int) -> dict
             )
         except Exception as e:  # the task's data, from the Hub, is the usual failure
             raise DistillError(
-                f"MTEB task {name} could not run ({type(e).__name__}: {first_line(str(e))}); its data comes from "
+                f"MTEB task {name} could not run ({type(e).__name__}: {first_line(str(e), 300)}); its data comes from "
                 f"the Hub ({task.metadata.dataset.get('path')}): run it where the Hub is reachable"
             ) from None
         scores[name] = float(result.task_results[0].get_score())
     return scores
-
-
-def first_line(text: str) -> str:
-    return (text.strip().splitlines() or [""])[0][:300]
 
 
 def scores_table(scores: dict[str, dict[str, float]]) -> str:

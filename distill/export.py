@@ -24,7 +24,7 @@ from accelerate.logging import get_logger
 
 from distill.card import model_card
 from distill.distributed import on_main_process
-from distill.errors import DistillError
+from distill.errors import DistillError, first_line
 from distill.student import DistillationModel, matryoshka_dims, normalize_module
 
 if TYPE_CHECKING:
@@ -140,15 +140,9 @@ def push_to_hub(sentence_transformer: SentenceTransformer, folder: str, repo_id:
             repo_id, private=private, local_model_path=folder, exist_ok=True, commit_message="Upload a distilled model"
         )
     except Exception as e:  # the Hub's and the network's errors are many; none of them may cost the run
-        why = first_line(e)
+        why = first_line(e, limit=None, named=True)
         retry = f"hf upload {repo_id} {folder} ." + (" --private" if private else "")
         logger.warning(f"push to the Hub failed ({why}); the model stays in {folder}; retry with: {retry}")
         return {"repo": repo_id, "error": why}
     logger.info(f"pushed the model to https://huggingface.co/{repo_id}")
     return {"repo": repo_id, "url": str(url)}
-
-
-def first_line(error: BaseException) -> str:
-    """The error's first line, named by its type: `OfflineModeIsEnabled: Cannot reach ...`."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -209,14 +209,15 @@ def _write_memo(memo: Path, digests: dict) -> None:
         pass
 
 
-def hub_snapshot(name: str, revision: str | None) -> str:
-    """The local snapshot folder of a Hub model (downloaded if needed)."""
+def hub_snapshot(name: str, revision: str | None, patterns: tuple[str, ...] = ("*.json",)) -> str:
+    """The local snapshot folder of a Hub model, with the files `patterns` match (downloaded if needed).
+
+    The configs alone by default: the weights come when a model is loaded.
+    """
     from huggingface_hub import snapshot_download
 
     try:
-        return snapshot_download(
-            name, revision=revision, allow_patterns=["*.json"]
-        )  # only the commit matters here; the weights come when the teacher is loaded
+        return snapshot_download(name, revision=revision, allow_patterns=list(patterns))
     except Exception as e:  # any failure here means: not reachable, say so
         raise DistillError(
             f"model {name!r} cannot be found locally or on the Hub ({type(e).__name__}); {shipped_models_hint()}"

@@ -187,23 +187,12 @@ class Plan:
 def config_folder(name: str, revision: str | None) -> Path:
     """A local folder with the model's config and tokenizer files: the folder itself, the shipped copy, or the
     Hub's (configs and tokenizer only, never the weights)."""
-    from distill.hub import resolve_model
+    from distill.hub import hub_snapshot, resolve_model
 
     path = Path(resolve_model(name, revision))
     if path.is_dir():
         return path
-    from huggingface_hub import snapshot_download
-
-    patterns = ["*.json", "*.txt", "*.model", "tokenizer*", "*.tiktoken"]
-    try:
-        return Path(snapshot_download(name, revision=revision, allow_patterns=patterns))
-    except Exception as e:  # offline, no such model, no access: the planner cannot know its size
-        from distill.hub import shipped_models_hint
-
-        raise DistillError(
-            f"the planner needs the config of {name!r}, which is neither local nor reachable on the Hub "
-            f"({type(e).__name__}); {shipped_models_hint()}"
-        ) from None
+    return Path(hub_snapshot(name, revision, ("*.json", "*.txt", "*.model", "tokenizer*", "*.tiktoken")))
 
 
 def model_shape(folder: Path, num_layers: int | None = None, trust_remote_code: bool = False) -> ModelShape:

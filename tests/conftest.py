@@ -170,50 +170,52 @@ def tiny_data(tmp_path_factory) -> dict[str, Path]:
 NANOBEIR_STAND_IN = ("scifact", "nfcorpus")
 
 
+def write_dataset_folder(root: Path, subsets: dict[str, dict[str, list[dict]]]) -> Path:
+    """A local folder `datasets.load_dataset(root, SUBSET, split=SPLIT)` reads, as a Hub dataset with subsets does:
+    `subsets[SUBSET][SPLIT]` is that split's rows, written as SUBSET/SPLIT.jsonl and named in README.md's `configs`."""
+    header = ""
+    for subset, splits in subsets.items():
+        header += f"- config_name: {subset}\n  data_files:\n"
+        for split, records in splits.items():
+            (root / subset).mkdir(parents=True, exist_ok=True)
+            (root / subset / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+            header += f"  - split: {split}\n    path: {subset}/{split}.jsonl\n"
+    (root / "README.md").write_text(f"---\nconfigs:\n{header}---\n")
+    return root
+
+
 def write_nanobeir_stand_in(root: Path) -> Path:
     """A local folder in sentence-transformers/NanoBEIR-en's format (subsets corpus, queries, qrels; one split per
     dataset, NanoSciFact...), small: 24 passages and 8 queries per dataset, some with two relevant passages."""
-    configs: dict[str, list[str]] = {"corpus": [], "queries": [], "qrels": []}
+    subsets: dict[str, dict[str, list[dict]]] = {"corpus": {}, "queries": {}, "qrels": {}}
     for number, name in enumerate(NANOBEIR_STAND_IN):
         split = {"scifact": "NanoSciFact", "nfcorpus": "NanoNFCorpus"}[name]
         passages, queries = sentences(24, 10 + number), sentences(8, 20 + number)
-        rows = {
-            "corpus": [{"_id": f"d{i}", "text": p} for i, p in enumerate(passages)] + [{"_id": "empty", "text": ""}],
-            "queries": [{"_id": f"q{i}", "text": q} for i, q in enumerate(queries)],
-            # query i: passage i (its words added), and query 0 also passage 5; query 7 has no judgement
-            "qrels": [{"query-id": f"q{i}", "corpus-id": f"d{i}"} for i in range(7)]
-            + [{"query-id": "q0", "corpus-id": "d5"}],
-        }
-        rows["corpus"][:7] = [{"_id": f"d{i}", "text": f"{passages[i]} {queries[i]}"} for i in range(7)]
-        for subset, records in rows.items():
-            (root / subset).mkdir(parents=True, exist_ok=True)
-            path = root / subset / f"{split}.jsonl"
-            path.write_text("".join(json.dumps(r) + "\n" for r in records))
-            configs[subset].append(f"  - split: {split}\n    path: {subset}/{split}.jsonl")
-    header = "".join(
-        f"- config_name: {subset}\n  data_files:\n" + "\n".join(files) + "\n" for subset, files in configs.items()
-    )
-    (root / "README.md").write_text(f"---\nconfigs:\n{header}---\n")
-    return root
+        corpus = [{"_id": f"d{i}", "text": p} for i, p in enumerate(passages)] + [{"_id": "empty", "text": ""}]
+        corpus[:7] = [{"_id": f"d{i}", "text": f"{passages[i]} {queries[i]}"} for i in range(7)]
+        subsets["corpus"][split] = corpus
+        subsets["queries"][split] = [{"_id": f"q{i}", "text": q} for i, q in enumerate(queries)]
+        # query i: passage i (its words added), and query 0 also passage 5; query 7 has no judgement
+        subsets["qrels"][split] = [{"query-id": f"q{i}", "corpus-id": f"d{i}"} for i in range(7)] + [
+            {"query-id": "q0", "corpus-id": "d5"}
+        ]
+    return write_dataset_folder(root, subsets)
 
 
 def write_mteb_retrieval_stand_in(root: Path) -> Path:
     """A local folder in MTEB's retrieval format (subsets corpus, queries, default = qrels; split test)."""
     passages, queries = sentences(30, 11), sentences(10, 12)
-    rows = {
-        "corpus": [
-            {"_id": f"d{i}", "title": "", "text": f"{p} {queries[i] if i < 10 else ''}"} for i, p in enumerate(passages)
-        ],
-        "queries": [{"_id": f"q{i}", "text": q} for i, q in enumerate(queries)],
-        "default": [{"query-id": f"q{i}", "corpus-id": f"d{i}", "score": 1} for i in range(10)],
-    }
-    configs = []
-    for name, records in rows.items():
-        (root / name).mkdir(parents=True, exist_ok=True)
-        (root / name / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-        configs.append(f"- config_name: {name}\n  data_files:\n  - split: test\n    path: {name}/test.jsonl\n")
-    (root / "README.md").write_text("---\nconfigs:\n" + "".join(configs) + "---\n")
-    return root
+    corpus = [
+        {"_id": f"d{i}", "title": "", "text": f"{p} {queries[i] if i < 10 else ''}"} for i, p in enumerate(passages)
+    ]
+    return write_dataset_folder(
+        root,
+        {
+            "corpus": {"test": corpus},
+            "queries": {"test": [{"_id": f"q{i}", "text": q} for i, q in enumerate(queries)]},
+            "default": {"test": [{"query-id": f"q{i}", "corpus-id": f"d{i}", "score": 1} for i in range(10)]},
+        },
+    )
 
 
 @pytest.fixture(scope="session")
