@@ -38,8 +38,14 @@ def plan(config: str, checkpoint_steps: int) -> dict:
     return json.loads(out[out.index("{") :])
 
 
-def measure(config: str, checkpoint_steps: int, work: Path) -> dict:
-    """The run of `config` from a cold teacher cache; what it spent."""
+def measure(config: str, checkpoint_steps: int, work: Path, reuse: bool) -> dict:
+    """The run of `config` from a cold teacher cache; what it spent (kept in `work`/measured.json, which `reuse`
+    reads instead of running again)."""
+    kept = work / "measured.json"
+    if reuse and kept.is_file():
+        figures = json.loads(kept.read_text())
+        if figures.get("config") == config:
+            return figures
     out, cache = work / "run", work / "cache"
     command = [sys.executable, "-m", "distill.train", "--config", config, "--output_dir", str(out)]
     command += ["--teacher_cache_dir", str(cache), "--save_to_artifacts", "False", "--log_with", "none"]
@@ -49,7 +55,9 @@ def measure(config: str, checkpoint_steps: int, work: Path) -> dict:
     phases = results["phases"].values()
     checkpoints = [p for p in (out / "checkpoints").iterdir() if p.is_dir()]
     entries = [p for p in cache.iterdir() if (p / "manifest.json").is_file()]
-    return {
+    figures = {
+        "config": config,
+        "measured_at": f"{dt.datetime.now():%Y-%m-%d %H:%M}",
         "teacher_seconds": sum(p["teacher_seconds"] for p in phases) + results.get("teacher_seconds_evaluation", 0),
         "train_seconds": sum(p["train_seconds"] for p in phases),
         "peak_bytes": process.peak_rss_mib * 2**20,
@@ -57,6 +65,8 @@ def measure(config: str, checkpoint_steps: int, work: Path) -> dict:
         "checkpoint_bytes": folder_bytes(max(checkpoints, key=lambda p: p.stat().st_mtime)) if checkpoints else 0,
         "wall_seconds": process.wall_seconds,
     }
+    kept.write_text(json.dumps(figures, indent=2))
+    return figures
 
 
 def rows(config: str, planned: dict, measured: dict) -> list[str]:
@@ -92,21 +102,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint_steps", type=int, default=400, help="One checkpoint in each run.")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--write", default=None, help="The benchmarks page to put the block into.")
+    parser.add_argument(
+        "--reuse_runs",
+        action="store_true",
+        help="Take each run's figures from the --workdir of an earlier bench (its measured.json) instead of running "
+        "it again; the planner runs now. For a planner change that leaves the runs as they were.",
+    )
     args = parser.parse_args(argv)
     started, configs = time.time(), args.configs.split(",")
     planned = {c: plan(c, args.checkpoint_steps) for c in configs}  # first: the planner times this idle CPU
     work = Path(args.workdir or tempfile.mkdtemp(prefix="plan_vs_run_"))
     measured = {}
     for number, config in enumerate(configs):
-        measured[config] = measure(config, args.checkpoint_steps, work / str(number))
+        measured[config] = measure(config, args.checkpoint_steps, work / str(number), args.reuse_runs)
         print(f"{config}: {json.dumps(measured[config])}", file=sys.stderr)
     command = "python bench/plan_vs_run.py " + " ".join(a for a in (argv or sys.argv[1:]) if a)
+    when = sorted({m["measured_at"] for m in measured.values() if "measured_at" in m})
+    reused = ""
+    if args.reuse_runs and when:
+        reused = f" The runs' figures are those measured by {when[-1]} in `{args.workdir}`."
     lines = [
         "## The planner against measured runs",
         "",
         f"Measured {dt.datetime.now():%Y-%m-%d %H:%M} in {(time.time() - started) / 60:.1f} min with `{command}` on "
         f"{machine()}; {versions()}; tcmalloc preloaded in the runs, as `make demo` does. The planner ran first, "
-        f"on the idle machine (it times this CPU's matmul rate: {planned[configs[0]]['assumptions']['rates']}).",
+        f"on the idle machine (it times this CPU's matmul rate: {planned[configs[0]]['assumptions']['rates']})."
+        + reused,
         "",
         "| config | figure | planned | measured | planned / measured | within |",
         "|---|---|---|---|---|---|",

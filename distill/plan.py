@@ -80,7 +80,7 @@ class Device:
     link_bytes_per_s: float
     bytes_per_param: int  # the teacher's compute dtype: bf16 on a GPU, float32 on a CPU
     activation_bytes: int  # float32 on a CPU; bf16 autocast on a GPU keeps some tensors in float32
-    base_bytes: int  # a process's memory before its models and data (a CPU's RSS; a GPU's is its own)
+    base_bytes: int  # a process's memory before its models (a CPU's RSS, with the data once read; a GPU's is its own)
     memory_bytes: float = 0.0  # a GPU's memory; 0: not checked (a CPU)
 
 
@@ -302,8 +302,8 @@ def cpu_matmul_flops(seconds: float = 0.3, repeats: int = 3) -> float:
 
 
 def process_base_bytes() -> int:
-    """This process's resident memory now, with torch, transformers and sentence-transformers imported: what
-    every process of a run holds before its models and data."""
+    """This process's resident memory now, with torch, transformers and sentence-transformers imported (and, once
+    the planner has read them, the data and tokenizers): what every process of a run holds before its models."""
     import psutil
     import sentence_transformers  # noqa: F401  (what a run imports)
 
@@ -321,7 +321,11 @@ def make_plan(
     student_folder = config_folder(model.student_model, None)
     teacher = model_shape(teacher_folder, None, model.trust_remote_code)
     student = model_shape(student_folder, model.student_num_layers, model.trust_remote_code)
-    measured, teacher_tokenizer = measure_texts(config, teacher_folder, student_folder)
+    lists = text_lists(config, not training.skip_phase1, not training.skip_phase2)
+    measured, teacher_tokenizer = measure_texts(config, lists, teacher_folder, student_folder)
+    if device.base_bytes:  # a CPU: the process's base is its RSS with the data and tokenizers a run holds, too
+        device = replace(device, base_bytes=process_base_bytes())
+    del lists
     measured = scale_counts(measured, phase1_texts, phase2_pairs)
     projection = student.dim * teacher.dim + teacher.dim if model.use_projection else 0
 
@@ -389,8 +393,11 @@ def make_plan(
     )
 
 
-def measure_texts(config: Config, teacher_folder: Path, student_folder: Path) -> tuple[list[TextList], str]:
-    """Every text list of the run with its lengths in both tokenizers; which tokenizer counted the teacher's."""
+def measure_texts(
+    config: Config, lists: dict[str, tuple[str, Role, list[str]]], teacher_folder: Path, student_folder: Path
+) -> tuple[list[TextList], str]:
+    """Every text list of the run (`text_lists`) with its lengths in both tokenizers; which tokenizer counted
+    the teacher's."""
     import torch
 
     from distill.teacher import TeacherSpec
@@ -404,7 +411,7 @@ def measure_texts(config: Config, teacher_folder: Path, student_folder: Path) ->
     teacher_tokenizer = own or student_tokenizer
     student_length = model.max_seq_length or spec.max_seq_length
     measured = []
-    for name, (phase, role, texts) in text_lists(config, not training.skip_phase1, not training.skip_phase2).items():
+    for name, (phase, role, texts) in lists.items():
         chosen = sample(texts, training.seed)
         t_mean, t_square, _ = length_stats(teacher_tokenizer, chosen, spec.prompt(role), spec.max_seq_length)
         s_mean, s_square, s_max = length_stats(student_tokenizer, chosen, "", student_length)
@@ -450,8 +457,9 @@ def memory(
 
     The teacher: its weights, and one layer's activations for a batch of the longest texts (hidden states, Q, K,
     V, the attention output, the MLP's two intermediate tensors). The student: float32 weights, gradients and
-    AdamW's two moments, and every layer's activations kept for the backward pass at the longest batch (phase 2
-    forwards its queries and passages together).
+    AdamW's two moments and the temporary of its update, and every layer's activations kept for the backward
+    pass at the longest batch (phase 2 forwards its queries and passages together). Both on top of the device's
+    base: on a CPU the process's RSS with the run's imports, data and tokenizers.
     """
     training = config.training
     longest = max((t.student_longest for t in measured), default=0)
@@ -465,7 +473,9 @@ def memory(
     kept = checkpointed if training.gradient_checkpointing else student.layers * per_layer
     student_bytes = (
         (student.parameters + projection) * 4
-        + (student.trainable_parameters + projection) * 12  # gradients and AdamW's two moments, float32
+        # gradients, AdamW's two moments and the parameter-sized temporary its update holds, float32
+        # (bench/adamw_memory.py: 8.0 bytes of moments and 4.3-5.1 of temporaries per parameter on a CPU)
+        + (student.trainable_parameters + projection) * 16
         + kept * device.activation_bytes
     )
     return int(device.base_bytes + teacher_bytes), int(device.base_bytes + student_bytes)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import plan_vs_run
 
 
-def test_the_table_puts_each_planned_figure_beside_the_measured_one(tiny_models, tiny_data, tmp_path, capsys):
+def test_the_table_puts_each_planned_figure_beside_the_measured_one(tiny_models, tiny_data, tmp_path, monkeypatch):
     config = tmp_path / "tiny.yaml"
     settings = {
         "teacher_model": str(tiny_models["teacher"]),
@@ -40,3 +41,11 @@ def test_the_table_puts_each_planned_figure_beside_the_measured_one(tiny_models,
     assert 0.9 <= float(cache) <= 1.1  # sizes the planner counts exactly
     assert 0.9 <= float(checkpoint) <= 1.1
     assert "<!-- bench:plan:begin -->" in page.read_text()
+    # --reuse_runs plans again and takes the runs' figures from the workdir: no run starts
+    measured = (tmp_path / "work" / "0" / "measured.json").read_text()
+    monkeypatch.setattr(plan_vs_run, "run_process", lambda *a, **k: pytest.fail("--reuse_runs ran the config again"))
+    assert plan_vs_run.main([*argv, "--write", str(page), "--reuse_runs"]) == 0
+    again = [line for line in page.read_text().splitlines() if line.startswith(f"| `{config}` |")]
+    assert [line.split(" | ")[3] for line in again] == [line.split(" | ")[3] for line in table]  # the same runs
+    assert "The runs' figures are those measured by " in page.read_text()
+    assert (tmp_path / "work" / "0" / "measured.json").read_text() == measured

@@ -117,3 +117,23 @@ def test_the_cpu_rate_is_timed_here():
     device = device_for("cpu", None, None)
     assert device.teacher_rate > 0 and "of this CPU's float32 matmul rate" in device.rates
     assert device.base_bytes > 0 and torch.get_num_threads() >= 1
+
+
+def test_a_cpu_process_base_is_read_with_the_data_loaded(tiny_models, tiny_data, tmp_path, monkeypatch):
+    """A run holds its data and tokenizers beside its models, so a CPU's base RSS is read after the planner has them;
+    a GPU's memory holds neither, and its base stays 0."""
+    import distill.data
+
+    read = []
+    load_data = distill.data.load_data
+    monkeypatch.setattr(distill.data, "load_data", lambda *a, **k: read.append(1) or load_data(*a, **k))
+    monkeypatch.setattr(plan, "process_base_bytes", lambda: 2000 if read else 1000)
+    monkeypatch.setattr(plan, "cpu_matmul_flops", lambda: 1e11)
+    config = load_config(tiny_run_flags(tiny_models, tiny_data, tmp_path / "out"))
+    cpu = device_for("cpu", None, None)
+    assert cpu.base_bytes == 1000  # before the data
+    figures = make_plan(config, cpu)
+    assert figures.assumptions["process_base_bytes"] == 2000
+    gpu = make_plan(config, device_for("h100", None, None))
+    assert gpu.assumptions["process_base_bytes"] == 0
+    assert figures.student_memory_bytes > figures.teacher_memory_bytes > 2000  # the stages sit on that base
