@@ -284,6 +284,18 @@ class TrainingConfig:
         "scores keep the teacher's order by resim_margin; memory grows as the global batch**4, so at most 64. 0: off.",
     )
     resim_margin: float = _opt(default=0.015, check=NON_NEGATIVE, help="Cosine margin of the relative similarity loss.")
+    reverse_kl_weight: float = _opt(
+        check=NON_NEGATIVE,
+        default=0.0,
+        help="Phase-2 weight of the KL of each passage's softmax over the batch's queries (the similarity matrix "
+        "read the other way). 0: off.",
+    )
+    within_kl_weight: float = _opt(
+        check=NON_NEGATIVE,
+        default=0.0,
+        help="Phase-2 weight of the KL of each query's softmax over the batch's other queries, and each passage's "
+        "over the other passages: the teacher's structure within each side. 0: off.",
+    )
     projection_lr_scale: float = _opt(
         check=POSITIVE,
         default=1.0,
@@ -551,7 +563,7 @@ HELP_GROUPS = {
 }
 LOSS_FIELDS = (
     "temperature cosine_weight mse_weight kl_weight kl_memory_steps phase1_kl_weight resim_weight resim_margin "
-    "matryoshka_full_teacher_similarity"
+    "reverse_kl_weight within_kl_weight matryoshka_full_teacher_similarity"
 ).split()
 PERFORMANCE_FIELDS = (
     "teacher_batch_size mixed_precision pad_to_multiple_of forward_chunks gradient_checkpointing torch_compile "

@@ -7,7 +7,7 @@ compares, at each d, the first d coordinates of both, re-normalised, and average
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,10 @@ class LossWeights:
     # Phase 2: weight and margin of the relative similarity loss (0: off).
     resim: float = 0.0
     resim_margin: float = 0.015
+    # Phase 2: weight of the KL of each passage's softmax over the batch's queries (0: off).
+    reverse_kl: float = 0.0
+    # Phase 2: weight of the KL of each query's softmax over the other queries, and each passage's (0: off).
+    within_kl: float = 0.0
 
 
 def truncate(vectors: torch.Tensor, dim: int) -> torch.Tensor:
@@ -110,6 +114,33 @@ def similarity_kl_loss(
             log_target=True,
         )
     return weights.kl * total / len(spaces)
+
+
+def structure_kl_loss(
+    student_queries: torch.Tensor,
+    student_passages: torch.Tensor,
+    teacher_queries: torch.Tensor,
+    teacher_passages: torch.Tensor,
+    weights: LossWeights,
+    dims: list[int] | None = None,
+) -> torch.Tensor:
+    """The rest of the teacher's in-batch similarity structure, as softmax KLs (0 when both weights are 0).
+
+    `reverse_kl`: each passage's softmax over the batch's queries, the query-passage matrix read the other way.
+    `within_kl`: each query's softmax over the other queries, and each passage's over the other passages.
+    None of them needs the student in the teacher's space: only the teacher's similarities are matched.
+    """
+    total = student_queries.new_zeros(())
+    if weights.reverse_kl:
+        reverse = replace(weights, kl=weights.reverse_kl)
+        total = total + similarity_kl_loss(
+            student_passages, student_queries, teacher_passages, teacher_queries, reverse, dims
+        )
+    if weights.within_kl:
+        within = replace(weights, kl=weights.within_kl / 2)
+        for student, teacher in ((student_queries, teacher_queries), (student_passages, teacher_passages)):
+            total = total + similarity_kl_loss(student, student, teacher, teacher, within, dims, exclude_self=True)
+    return total
 
 
 def relative_similarity_loss(

@@ -31,7 +31,13 @@ from distill.checkpoint import PHASES as PHASE_ORDER
 from distill.config import Config
 from distill.data import DistillData, passage_texts
 from distill.errors import DistillError
-from distill.losses import LossWeights, alignment_loss, relative_similarity_loss, similarity_kl_loss
+from distill.losses import (
+    LossWeights,
+    alignment_loss,
+    relative_similarity_loss,
+    similarity_kl_loss,
+    structure_kl_loss,
+)
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -90,6 +96,8 @@ def phase_settings(config: Config, name: str, world: int) -> PhaseSettings:
             phase1_kl=t.phase1_kl_weight,
             resim=t.resim_weight,
             resim_margin=t.resim_margin,
+            reverse_kl=t.reverse_kl_weight,
+            within_kl=t.within_kl_weight,
         ),
         matryoshka_dims=None,
         projection_lr_scale=t.projection_lr_scale,
@@ -247,6 +255,9 @@ class SimilarityPhase(Phase):
             similarity = similarity + relative_similarity_loss(
                 student_queries, student_passages, teacher_queries, teacher_passages, weights, dims
             )
+        similarity = similarity + structure_kl_loss(
+            student_queries, student_passages, teacher_queries, teacher_passages, weights, dims
+        )
         self.memory.stage(student_passages, teacher_passages)
         # DDP averages gradients over ranks; the global similarity loss is computed on every rank and each
         # rank's gradient covers only its own rows, so scaling by the world size makes the average the sum.

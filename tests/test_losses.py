@@ -10,7 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distill.losses import LossWeights, alignment_loss, relative_similarity_loss, similarity_kl_loss, truncate
+from distill.losses import (
+    LossWeights,
+    alignment_loss,
+    relative_similarity_loss,
+    similarity_kl_loss,
+    structure_kl_loss,
+    truncate,
+)
 
 
 def unit(rows: list[list[float]]) -> torch.Tensor:
@@ -293,3 +300,52 @@ def test_relative_similarity_matryoshka_dims_average_the_truncated_spaces() -> N
     mrl = relative_similarity_loss(queries, passages, teacher_queries, teacher_passages, weights, dims=[8, 4])
     assert mrl.item() == pytest.approx(sum(per_dim) / 2, rel=1e-5)
     assert per_dim[0] != pytest.approx(per_dim[1])  # the two spaces differ, so the average is not trivially right
+
+
+# ---------------------------------------------------------------- the rest of the similarity structure
+
+
+def test_structure_kl_is_zero_when_off_and_when_student_equals_teacher() -> None:
+    sq, sp = random_unit(4, 12, seed=30), random_unit(6, 12, seed=31)
+    tq, tp = random_unit(4, 12, seed=32), random_unit(6, 12, seed=33)
+    assert structure_kl_loss(sq, sp, tq, tp, LossWeights()).item() == 0.0  # both weights 0 by default
+    both = LossWeights(reverse_kl=1.0, within_kl=1.0)
+    assert structure_kl_loss(sq, sp, sq.clone(), sp.clone(), both).item() == pytest.approx(0.0, abs=1e-5)
+    assert structure_kl_loss(sq, sp, tq, tp, both).item() > 0.01
+
+
+def test_reverse_kl_ranks_queries_for_each_passage() -> None:
+    sq, sp = random_unit(4, 12, seed=34), random_unit(6, 12, seed=35)
+    tq, tp = random_unit(4, 12, seed=36), random_unit(6, 12, seed=37)
+    loss = structure_kl_loss(sq, sp, tq, tp, LossWeights(reverse_kl=0.5, temperature=0.1))
+    # each of the 6 passages' softmax over the 4 queries: the transposed score matrix
+    expected = reference_kl(sp.numpy(), sq.numpy(), tp.numpy(), tq.numpy(), 0.1)
+    assert loss.item() == pytest.approx(0.5 * expected, rel=1e-4)
+    forward = similarity_kl_loss(sq, sp, tq, tp, LossWeights(kl=0.5, temperature=0.1))
+    assert loss.item() != pytest.approx(forward.item())  # not the query-side softmax again
+
+
+def test_within_kl_averages_the_query_side_and_the_passage_side() -> None:
+    sq, sp = random_unit(5, 12, seed=38), random_unit(5, 12, seed=39)
+    tq, tp = random_unit(5, 12, seed=40), random_unit(5, 12, seed=41)
+    weights = LossWeights(within_kl=2.0, temperature=0.1)
+    sides = [
+        similarity_kl_loss(s, s, t, t, LossWeights(kl=1.0, temperature=0.1), exclude_self=True).item()
+        for s, t in ((sq, tq), (sp, tp))
+    ]
+    assert structure_kl_loss(sq, sp, tq, tp, weights).item() == pytest.approx(sides[0] + sides[1], rel=1e-5)
+    # a student whose queries match the teacher's structure and whose passages do not pays for the passages only
+    half = structure_kl_loss(tq.clone(), sp, tq, tp, weights).item()
+    assert half == pytest.approx(sides[1], rel=1e-5)
+
+
+def test_structure_kl_gradient_moves_the_student_towards_the_teachers_structure() -> None:
+    tq, tp = random_unit(4, 8, seed=42), random_unit(6, 8, seed=43)
+    sq = random_unit(4, 8, seed=44).requires_grad_(True)
+    sp = random_unit(6, 8, seed=45).requires_grad_(True)
+    weights = LossWeights(reverse_kl=1.0, within_kl=1.0, temperature=0.1)
+    before = structure_kl_loss(sq, sp, tq, tp, weights)
+    before.backward()
+    with torch.no_grad():
+        after = structure_kl_loss(sq - 0.05 * sq.grad, sp - 0.05 * sp.grad, tq, tp, weights)
+    assert after.item() < before.item()

@@ -300,10 +300,10 @@ def test_two_processes_match_one_process_with_twice_the_batch(
     """2 processes x batch 4 follow 1 process x batch 8 (losses, weights), both phases, every loss, both modes.
 
     Phase 1 includes its in-batch similarity term, so its gather-with-gradient is covered as well as phase 2's,
-    and phase 2 keeps a cross-batch passage memory and adds the relative similarity loss; in Matryoshka mode the
-    teacher basis computed on the main process reaches every process. The Matryoshka runs accumulate 2 batches a
-    step, so DDP's skipped all-reduces, the gathers between them and the memory's one entry per step are covered
-    too (measured: the backbones end 0.002% of their movement apart, every loss within 4e-8).
+    and phase 2 keeps a cross-batch passage memory and adds the relative similarity and structure KL losses; in
+    Matryoshka mode the teacher basis computed on the main process reaches every process. The Matryoshka runs
+    accumulate 2 batches a step, so DDP's skipped all-reduces, the gathers between them and the memory's one entry
+    per step are covered too (measured: the backbones end 0.002% of their movement apart, every loss within 4e-8).
 
     The two processes start the ways distill starts them itself: `python -m distill.train --num_processes 2`
     (which must not run on one process) and `./run_ddp.sh 2 False` (without a GPU: CPU processes over gloo that
@@ -316,6 +316,8 @@ def test_two_processes_match_one_process_with_twice_the_batch(
         "phase1_kl_weight": 0.5,
         "kl_memory_steps": 2,
         "resim_weight": 5.0,
+        "reverse_kl_weight": 0.5,
+        "within_kl_weight": 0.5,
         "use_projection": use_projection,
         "gradient_accumulation_steps": accumulation,
     }
