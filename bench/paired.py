@@ -3,6 +3,8 @@
     python bench/paired.py runs/base_s42:runs/change_s42 runs/base_s1:runs/change_s1 ...
 
 Each argument is BASE:CHANGED, the output_dirs of two runs with the same seed (so the same evaluation queries).
+A side may name one of its run's evaluations as DIR@STAGE (after_phase1, student_before; student_after when
+none is named): `runs/x@after_phase1:runs/x` is what the run's phase 2 added.
 For each pair it prints the change's nDCG@10 difference with a 95% paired-bootstrap interval over the queries
 (bench/quality.py's `paired_difference`), and with several pairs one interval over all their queries. On the
 demo's 867 queries two distill variants' interval on one seed was about +-0.0025 to +-0.0043 wide (docs/QUALITY.md),
@@ -18,15 +20,24 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quality import paired_cells, paired_difference
 
+STAGES = ("student_after", "after_phase1", "student_before")
 
-def load(run: str) -> dict:
+
+def load(side: str) -> tuple[dict, dict]:
+    """The run's results and the evaluation `side` names (DIR or DIR@STAGE)."""
+    run, _, stage = side.partition("@")
+    stage = stage or "student_after"
+    if stage not in STAGES:
+        raise SystemExit(f"{side}: expected DIR or DIR@STAGE with STAGE one of {', '.join(STAGES)}")
     path = Path(run) / "results.json"
     if not path.is_file():
         raise SystemExit(f"{run}: expected a finished distill run (its results.json); check the output_dir")
     results = json.loads(path.read_text())
-    if "ranks@10" not in results.get("student_after", {}):
+    if stage not in results:
+        raise SystemExit(f"{side}: the run has no {stage} evaluation (a one-phase run has no after_phase1)")
+    if "ranks@10" not in results[stage]:
         raise SystemExit(f"{run}: expected per-query ranks (ranks@10) in results.json; re-run it with this version")
-    return results
+    return results, results[stage]
 
 
 def reading(paired: dict[str, float]) -> str:
@@ -48,11 +59,10 @@ def table(pairs: list[str]) -> str:
         if pair.count(":") != 1:
             raise SystemExit(f"expected BASE_DIR:CHANGED_DIR, got {pair!r}")
         base_dir, changed_dir = pair.split(":")
-        base, changed = load(base_dir), load(changed_dir)
+        (base, b), (changed, a) = load(base_dir), load(changed_dir)
         seeds = base["config"].get("seed"), changed["config"].get("seed")
         if seeds[0] != seeds[1]:
             raise SystemExit(f"{pair}: the runs have seeds {seeds[0]} and {seeds[1]}; pair runs of the same seed")
-        a, b = changed["student_after"], base["student_after"]
         paired = paired_difference(a["ranks@10"], b["ranks@10"])
         changed_ranks += a["ranks@10"]
         base_ranks += b["ranks@10"]

@@ -79,6 +79,26 @@ def test_paired_runs_table_per_seed_and_pooled(tmp_path: Path) -> None:
         paired.table([str(tmp_path / "base1")])
 
 
+def test_paired_compares_two_evaluations_of_one_run(tmp_path: Path) -> None:
+    """DIR@after_phase1:DIR is what the run's phase 2 added, on the same queries."""
+    import paired
+
+    out = tmp_path / "run"
+    out.mkdir()
+    phase1, final = {"ndcg@10": 0.4, "ranks@10": [2, 5, -1, 0]}, {"ndcg@10": 0.6, "ranks@10": [0, 1, -1, 0]}
+    results = {"after_phase1": phase1, "student_after": final, "config": {"seed": 7}}
+    (out / "results.json").write_text(json.dumps(results))
+    text = paired.table([f"{out}@after_phase1:{out}"])
+    gain = quality.paired_difference(final["ranks@10"], phase1["ranks@10"])
+    assert f"| 0.4000 | 0.6000 | {gain['mean']:+.4f} |" in text and "| 2 / 0 |" in text
+    with pytest.raises(SystemExit, match="STAGE one of student_after, after_phase1, student_before"):
+        paired.table([f"{out}@phase3:{out}"])
+    del results["after_phase1"]
+    (out / "results.json").write_text(json.dumps(results))
+    with pytest.raises(SystemExit, match="has no after_phase1 evaluation"):
+        paired.table([f"{out}@after_phase1:{out}"])
+
+
 def test_section_names_the_phases_the_toolkit_trained() -> None:
     metrics = {"ndcg@10": 0.5, "mrr@10": 0.4, "ranks@10": [0, 1, -1, 2]}
     peer = {
