@@ -12,6 +12,11 @@ The main process measures, the others wait; with several machines the figures ar
 process's device, and they say which device that is. The teacher is measured while the teacher stage has it
 loaded, and its figures are kept beside the teacher cache, so a warm run does not load the teacher again; a
 run that finds no record for its device loads the teacher once to measure it.
+
+On a CPU, other work on the machine slows both models alike only if it runs during both timings. Each timing
+therefore records the CPU's float32 matmul rate just before it (`machine_gflops`). A kept teacher figure timed
+at a rate more than LOAD_TOLERANCE away from the rate now is timed again, and a student timed under another
+load than the teacher says so in the trade-off line.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from accelerate import Accelerator
 from distill.distributed import main_decides
 from distill.errors import DistillError
 from distill.files import read_json, write_json_atomic
+from distill.plan import cpu_matmul_flops
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -47,6 +53,8 @@ logger = logging.getLogger(__name__)
 LATENCY_REPEATS = 50  # single-query encodes; the median is reported
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 COSTS_FILE = "costs.json"  # the teacher's measured figures, beside the teacher cache's entries
+LOAD_TOLERANCE = 1.25  # two CPU timings compare when the CPU's matmul rates before them differ by less than this
+PROBE_SECONDS = 0.2  # each of the matmul probe's three timings
 
 
 @dataclass
@@ -58,6 +66,7 @@ class ModelCost:
     weights_bytes: int
     texts_per_second: float
     latency_ms: float  # median of LATENCY_REPEATS single-text encodes
+    machine_gflops: float | None = None  # on a CPU: its float32 matmul rate just before the timing; None on a GPU
 
 
 @dataclass(frozen=True)
@@ -108,6 +117,20 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def machine_gflops(device: torch.device) -> float | None:
+    """On a CPU, its float32 matmul rate now (GFLOP/s): what other work on the machine leaves it. None on a GPU."""
+    if device.type != "cpu":
+        return None
+    return round(cpu_matmul_flops(seconds=PROBE_SECONDS) / 1e9, 1)
+
+
+def same_load(first: float | None, second: float | None) -> bool:
+    """Whether two timings saw the machine alike: both off a CPU, or matmul rates within LOAD_TOLERANCE."""
+    if first is None or second is None:
+        return first is None and second is None
+    return max(first, second) <= LOAD_TOLERANCE * min(first, second)
+
+
 def weights_bytes(model: torch.nn.Module, folder: str | os.PathLike | None = None) -> int:
     """Bytes of `folder`'s weight files where it is a local folder that has some, else of the model's tensors."""
     if folder is not None and Path(folder).is_dir():
@@ -129,6 +152,7 @@ def measure(
     encode_kwargs: dict[str, Any] = {"batch_size": texts.batch_size, "show_progress_bar": False}
     passages = dict(encode_kwargs, prompt=document_prompt or None)
     model.encode(texts.passages[: texts.batch_size], **passages)  # warm-up: kernels, allocator, caches
+    rate = machine_gflops(model.device)
     started = time.perf_counter()
     vectors = model.encode(texts.passages, **passages)  # numpy out: the device has finished
     seconds = time.perf_counter() - started
@@ -143,6 +167,7 @@ def measure(
         weights_bytes=weights_bytes(model, folder),
         texts_per_second=round(len(texts.passages) / max(seconds, 1e-9), 1),
         latency_ms=round(1000 * statistics.median(latencies), 2),
+        machine_gflops=rate,
     )
 
 
@@ -154,12 +179,23 @@ class TeacherCosts:
         fields = {"teacher": teacher_key, "device": device, "texts": texts.fingerprint(), "torch": torch.__version__}
         self.key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
 
-    def get(self) -> ModelCost | None:
+    def get(self, device: torch.device) -> ModelCost | None:
+        """The kept figures, or None: none kept, or (on a CPU) timed under another load than the machine has now."""
         try:
             record = read_json(self.path).get(self.key)
-            return ModelCost(**record) if record else None
+            cost = ModelCost(**record) if record else None
         except (OSError, ValueError, TypeError, AttributeError):  # unreadable, or another format: measure again
             return None
+        if cost is None:
+            return None
+        now = machine_gflops(device)
+        if not same_load(cost.machine_gflops, now):
+            logger.info(
+                f"the teacher's kept speed was timed with the CPU at {cost.machine_gflops} GFLOP/s of matmul, it runs "
+                f"at {now} now (other work on the machine): timing the teacher again"
+            )
+            return None
+        return cost
 
     def put(self, cost: ModelCost) -> None:
         """Keep `cost`; a cache folder that cannot take it is a warning (the run has its figures either way)."""
@@ -242,11 +278,18 @@ def trade_off_line(results: dict) -> str | None:
     student = (results.get("student_after") or {}).get("ndcg@10")
     if not ratios or not teacher or student is None:
         return None
-    return (
+    line = (
         f"The student keeps {100 * student / teacher:.1f}% of the teacher's nDCG@10 at "
         f"{ratios['throughput']:.1f}x its throughput and {ratios['parameters']:.2f}x its parameters, "
         f"on {efficiency['device']}."
     )
+    rates = [efficiency[side].get("machine_gflops") for side in ("teacher", "student")]
+    if not same_load(*rates):
+        line += (
+            f" The two were timed under different loads (the CPU's matmul at {rates[0]} and {rates[1]} GFLOP/s), "
+            "so the speed ratio is off: time both on an idle machine."
+        )
+    return line
 
 
 def cost_table(results: dict) -> str:

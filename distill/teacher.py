@@ -385,7 +385,7 @@ class TeacherCache:
         `key` is `self.key(texts.passages, "document")`, made by every process beforehand (it can be collective).
         """
         costs = TeacherCosts(self.cache_dir, key, device_label(self.device), texts)
-        cost = costs.get()
+        cost = costs.get(self.device)
         if cost is None:
             teacher = self.teacher or self._load_here()
             folder = self.spec.path if Path(self.spec.path).is_dir() else None

@@ -265,6 +265,14 @@ def fresh_accelerate_state():
     reset_accelerate()
 
 
+@pytest.fixture(autouse=True)
+def steady_cpu_probe(monkeypatch):
+    """The cost stage's CPU load probe reads one fixed rate in this process: a kept teacher figure is reused whatever
+    the suite's workers do meanwhile, and no tiny run spends a second timing matmuls. Runs started as separate
+    processes probe for real."""
+    monkeypatch.setattr("distill.efficiency.cpu_matmul_flops", lambda seconds: 100e9)
+
+
 @pytest.fixture
 def accelerator():
     """A one-process CPU Accelerator (reset after the test by `fresh_accelerate_state`)."""

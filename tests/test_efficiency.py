@@ -10,6 +10,7 @@ import torch
 from sentence_transformers import SentenceTransformer
 
 from conftest import sentences
+from distill import plan
 from distill.data import DistillData, EvalSet, Pairs
 from distill.efficiency import (
     CostTexts,
@@ -19,14 +20,17 @@ from distill.efficiency import (
     cost_table,
     device_label,
     measure,
+    same_load,
     trade_off_line,
     weights_bytes,
 )
 from distill.report import report_figure, report_markdown
 
+GPU = torch.device("cuda")  # a device off the CPU: no load probe (nothing runs on it)
 
-def cost(parameters: int, speed: float, latency: float, dim: int = 32) -> ModelCost:
-    return ModelCost(parameters, dim, 4 * parameters, speed, latency)
+
+def cost(parameters: int, speed: float, latency: float, dim: int = 32, gflops: float | None = None) -> ModelCost:
+    return ModelCost(parameters, dim, 4 * parameters, speed, latency, gflops)
 
 
 def results_with_costs() -> dict:
@@ -76,12 +80,12 @@ def test_cost_texts_sample_the_evaluation_set_and_are_seeded():
 def test_teacher_costs_are_kept_per_device_and_texts(tmp_path):
     texts = CostTexts(["a passage"], ["a query"], 8)
     kept = TeacherCosts(tmp_path, "teacher-key", "GPU A", texts)
-    assert kept.get() is None
+    assert kept.get(GPU) is None
     kept.put(cost(40, 100.0, 20.0))
-    assert TeacherCosts(tmp_path, "teacher-key", "GPU A", texts).get() == cost(40, 100.0, 20.0)
-    assert TeacherCosts(tmp_path, "teacher-key", "GPU B", texts).get() is None  # another device measures again
-    assert TeacherCosts(tmp_path, "other-teacher", "GPU A", texts).get() is None
-    assert TeacherCosts(tmp_path, "teacher-key", "GPU A", CostTexts(["b"], ["a query"], 8)).get() is None
+    assert TeacherCosts(tmp_path, "teacher-key", "GPU A", texts).get(GPU) == cost(40, 100.0, 20.0)
+    assert TeacherCosts(tmp_path, "teacher-key", "GPU B", texts).get(GPU) is None  # another device measures again
+    assert TeacherCosts(tmp_path, "other-teacher", "GPU A", texts).get(GPU) is None
+    assert TeacherCosts(tmp_path, "teacher-key", "GPU A", CostTexts(["b"], ["a query"], 8)).get(GPU) is None
     TeacherCosts(tmp_path, "teacher-key", "GPU B", texts).put(cost(40, 200.0, 10.0))
     assert len(json.loads((tmp_path / "costs.json").read_text())) == 2  # both records kept
 
@@ -89,12 +93,39 @@ def test_teacher_costs_are_kept_per_device_and_texts(tmp_path):
 def test_unreadable_or_unwritable_teacher_costs_do_not_stop_a_run(tmp_path, caplog):
     texts = CostTexts(["a passage"], ["a query"], 8)
     (tmp_path / "costs.json").write_text("{not json")
-    assert TeacherCosts(tmp_path, "k", "GPU", texts).get() is None
+    assert TeacherCosts(tmp_path, "k", "GPU", texts).get(GPU) is None
     blocked = tmp_path / "file"
     blocked.write_text("")  # a file where the cache folder should be
     with caplog.at_level(logging.WARNING):
         TeacherCosts(blocked, "k", "GPU", texts).put(cost(1, 1.0, 1.0))
     assert "not kept" in caplog.text
+
+
+def test_same_load_compares_the_cpu_matmul_rates():
+    assert same_load(100.0, 124.0) and same_load(124.0, 100.0)
+    assert not same_load(100.0, 126.0) and not same_load(40.0, 100.0)
+    assert same_load(None, None)  # both on a GPU: no probe
+    assert not same_load(None, 100.0)  # a CPU figure kept without its rate: not known to compare
+
+
+def test_a_teacher_figure_kept_under_another_cpu_load_is_timed_again(tmp_path, monkeypatch, caplog):
+    texts = CostTexts(["a passage"], ["a query"], 8)
+    kept = TeacherCosts(tmp_path, "teacher-key", "Test CPU (CPU, 2 threads)", texts)
+    kept.put(cost(40, 14.1, 50.0, gflops=40.0))  # timed while other work held the machine
+    cpu = torch.device("cpu")
+    monkeypatch.setattr("distill.efficiency.cpu_matmul_flops", lambda seconds: 45e9)
+    assert kept.get(cpu) == cost(40, 14.1, 50.0, gflops=40.0)  # within the tolerance: kept
+    monkeypatch.setattr("distill.efficiency.cpu_matmul_flops", lambda seconds: 110e9)
+    with caplog.at_level(logging.INFO):
+        assert kept.get(cpu) is None  # the machine is idle now: the teacher is timed again
+    assert "40.0 GFLOP/s" in caplog.text and "110.0 now" in caplog.text
+
+
+def test_measure_records_the_cpu_rate_it_timed_under(tiny_models, monkeypatch):
+    monkeypatch.setattr("distill.efficiency.cpu_matmul_flops", plan.cpu_matmul_flops)  # the real probe
+    model = SentenceTransformer(str(tiny_models["student"]), device="cpu")
+    found = measure(model, CostTexts(sentences(8, seed=5), sentences(3, seed=6), batch_size=8))
+    assert found.machine_gflops is not None and found.machine_gflops > 0
 
 
 def test_ratios_and_the_trade_off_line():
@@ -104,6 +135,12 @@ def test_ratios_and_the_trade_off_line():
         "The student keeps 95.0% of the teacher's nDCG@10 at 3.0x its throughput and 0.25x its parameters, "
         "on Test CPU (CPU, 2 threads)."
     )
+    loaded = results_with_costs()
+    loaded["efficiency"]["teacher"]["machine_gflops"] = 40.0
+    loaded["efficiency"]["student"]["machine_gflops"] = 110.0
+    line = trade_off_line(loaded)
+    assert line is not None and line.startswith(trade_off_line(results) or "")
+    assert "timed under different loads (the CPU's matmul at 40.0 and 110.0 GFLOP/s)" in line
     del results["efficiency"]["teacher"], results["efficiency"]["ratios"]
     assert trade_off_line(results) is None  # nothing to compare with
     assert trade_off_line({"teacher": {"ndcg@10": 0.6}, "student_after": {"ndcg@10": 0.5}}) is None
