@@ -41,7 +41,6 @@ from accelerate import Accelerator
 from distill.distributed import main_decides
 from distill.errors import DistillError
 from distill.files import read_json, write_json_atomic
-from distill.plan import cpu_matmul_flops
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -115,6 +114,21 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_matmul_flops(seconds: float = 0.3, repeats: int = 3) -> float:
+    """This machine's float32 matmul rate (FLOP/s) on the threads torch uses: the best of `repeats` timings."""
+    n = 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    best = 0.0
+    for _ in range(repeats):
+        done, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            a @ b
+            done += 1
+        best = max(best, 2 * n**3 * done / (time.perf_counter() - started))
+    return best
 
 
 def machine_gflops(device: torch.device) -> float | None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -87,6 +86,8 @@ class Device:
 def device_for(name: str, teacher_tflops: float | None, student_tflops: float | None) -> Device:
     """The device `name` (a key of DEVICES, or cpu) with its rates: measured ones where given."""
     if name == "cpu":
+        from distill.efficiency import cpu_matmul_flops
+
         peak = cpu_matmul_flops()
         rates = f"{CPU_TEACHER_UTILISATION:.0%} / {CPU_STUDENT_UTILISATION:.0%} of this CPU's float32 matmul rate"
         rates += f" ({peak / 1e9:.0f} GFLOP/s, timed now)"
@@ -282,23 +283,6 @@ def text_lists(config: Config, need_phase1: bool, need_phase2: bool) -> dict[str
         if data.evaluation.sts_texts:
             lists["evaluation sts"] = ("evaluation", "document", data.evaluation.sts_texts)
     return lists
-
-
-def cpu_matmul_flops(seconds: float = 0.3, repeats: int = 3) -> float:
-    """This machine's float32 matmul rate (FLOP/s) on the threads torch uses: the best of `repeats` timings."""
-    import torch
-
-    n = 1024
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b  # warm-up
-    best = 0.0
-    for _ in range(repeats):
-        done, started = 0, time.perf_counter()
-        while time.perf_counter() - started < seconds:
-            a @ b
-            done += 1
-        best = max(best, 2 * n**3 * done / (time.perf_counter() - started))
-    return best
 
 
 def process_base_bytes() -> int:

@@ -270,7 +270,7 @@ def steady_cpu_probe(monkeypatch):
     """The cost stage's CPU load probe reads one fixed rate in this process: a kept teacher figure is reused whatever
     the suite's workers do meanwhile, and no tiny run spends a second timing matmuls. Runs started as separate
     processes probe for real."""
-    monkeypatch.setattr("distill.efficiency.cpu_matmul_flops", lambda seconds: 100e9)
+    monkeypatch.setattr("distill.efficiency.machine_gflops", lambda device: 100.0 if device.type == "cpu" else None)
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import torch
 from sentence_transformers import SentenceTransformer
 
 from conftest import sentences
-from distill import plan
 from distill.data import DistillData, EvalSet, Pairs
 from distill.efficiency import (
     CostTexts,
@@ -19,6 +18,7 @@ from distill.efficiency import (
     TeacherCosts,
     cost_table,
     device_label,
+    machine_gflops,
     measure,
     same_load,
     trade_off_line,
@@ -113,6 +113,7 @@ def test_a_teacher_figure_kept_under_another_cpu_load_is_timed_again(tmp_path, m
     kept = TeacherCosts(tmp_path, "teacher-key", "Test CPU (CPU, 2 threads)", texts)
     kept.put(cost(40, 14.1, 50.0, gflops=40.0))  # timed while other work held the machine
     cpu = torch.device("cpu")
+    monkeypatch.setattr("distill.efficiency.machine_gflops", machine_gflops)  # the real one, over a stubbed probe
     monkeypatch.setattr("distill.efficiency.cpu_matmul_flops", lambda seconds: 45e9)
     assert kept.get(cpu) == cost(40, 14.1, 50.0, gflops=40.0)  # within the tolerance: kept
     monkeypatch.setattr("distill.efficiency.cpu_matmul_flops", lambda seconds: 110e9)
@@ -122,7 +123,7 @@ def test_a_teacher_figure_kept_under_another_cpu_load_is_timed_again(tmp_path, m
 
 
 def test_measure_records_the_cpu_rate_it_timed_under(tiny_models, monkeypatch):
-    monkeypatch.setattr("distill.efficiency.cpu_matmul_flops", plan.cpu_matmul_flops)  # the real probe
+    monkeypatch.setattr("distill.efficiency.machine_gflops", machine_gflops)  # the real probe
     model = SentenceTransformer(str(tiny_models["student"]), device="cpu")
     found = measure(model, CostTexts(sentences(8, seed=5), sentences(3, seed=6), batch_size=8))
     assert found.machine_gflops is not None and found.machine_gflops > 0

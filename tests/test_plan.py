@@ -128,7 +128,7 @@ def test_a_cpu_process_base_is_read_with_the_data_loaded(tiny_models, tiny_data,
     load_data = distill.data.load_data
     monkeypatch.setattr(distill.data, "load_data", lambda *a, **k: read.append(1) or load_data(*a, **k))
     monkeypatch.setattr(plan, "process_base_bytes", lambda: 2000 if read else 1000)
-    monkeypatch.setattr(plan, "cpu_matmul_flops", lambda: 1e11)
+    monkeypatch.setattr("distill.efficiency.cpu_matmul_flops", lambda: 1e11)
     config = load_config(tiny_run_flags(tiny_models, tiny_data, tmp_path / "out"))
     cpu = device_for("cpu", None, None)
     assert cpu.base_bytes == 1000  # before the data
