@@ -213,6 +213,12 @@ def distill_section(
         + (f", projected to the teacher's {dims['output']}-d" if "output" in dims else "")
         + (", Matryoshka" if matryoshka else "")
         + ")."
+        + (
+            f" Phase 1 aligned it to `{settings['phase1_teacher_model']}`; phase 2 distilled the teacher's "
+            "similarities."
+            if settings.get("phase1_teacher_model")
+            else ""
+        )
         + (f" {note}" if note else "")
     )
     usage = [

@@ -144,6 +144,13 @@ class ModelConfig:
         help="Prompt prepended to documents (passages, phase-1 texts) for the teacher: a text, or the name of one of "
         "the teacher's prompts; '' for none (default: the teacher's own 'document', 'passage' or 'corpus' prompt).",
     )
+    phase1_teacher_model: str | None = _opt(
+        check=MODEL_NAME,
+        default=None,
+        help="Phase 1's alignment target when it should not be the teacher: e.g. the model the student was pruned "
+        "from, in whose space the student starts. Phase 2 then distils the teacher's similarities alone (no "
+        "alignment), which need no shared space. Matryoshka mode only; default: the teacher.",
+    )
     matryoshka_dims: list[int] | None = _opt(
         check=Check(lambda v: bool(v) and all(d >= 1 for d in v), "positive integers like 384,192,96"),
         default=None,
@@ -819,6 +826,20 @@ def _contradictions(config: Config) -> list[Contradiction]:
             accelerate_config is not None and not Path(accelerate_config).expanduser().is_file(),
             f"accelerate_config: {accelerate_config!r} does not exist; pass one of accelerate_configs/*.yaml "
             "or a file written by `accelerate config`",
+        ),
+        Contradiction(
+            "phase1_teacher_model",
+            ("use_projection",),
+            config.model.phase1_teacher_model is not None and config.model.use_projection,
+            "phase1_teacher_model: a projection maps to one teacher's space, and phase 1's target would be another; "
+            "pass --use_projection False or drop --phase1_teacher_model",
+        ),
+        Contradiction(
+            "phase1_teacher_model",
+            ("skip_phase1", "skip_phase2"),
+            config.model.phase1_teacher_model is not None and (training.skip_phase1 or training.skip_phase2),
+            "phase1_teacher_model: sets phase 1's target and leaves the teacher to phase 2, so it needs both phases; "
+            "drop --phase1_teacher_model or --skip_phase1 / --skip_phase2",
         ),
         Contradiction(
             "matryoshka_dims",

@@ -4,7 +4,8 @@
   optionally with the teacher's text-to-text similarity structure (`--phase1_kl_weight`).
 - `SimilarityPhase` (phase 2): (query, passage) pairs; the teacher's in-batch query-passage similarities are
   distilled (KL over softmaxed scores, `--kl_weight`), with a cross-batch passage memory, the relative
-  similarity loss (`--resim_weight`) and alignment of both sides.
+  similarity loss (`--resim_weight`) and alignment of both sides (none where `--phase1_teacher_model` gives
+  phase 1 another target than the teacher: the student is then in that model's space, not the teacher's).
 
 The loop (distill/loop.py) calls `phase.loss` on each batch and `phase.step_taken` after each optimizer step; it
 never asks which phase it runs. Both losses see the GLOBAL batch: embeddings are gathered from every process
@@ -80,6 +81,9 @@ def phase_settings(config: Config, name: str, world: int) -> PhaseSettings:
     `Phase.use_student`."""
     phase_config = getattr(config, name)
     t = config.training
+    # with phase 1's own target (phase1_teacher_model) the student is not in the teacher's space: phase 2 distils
+    # the teacher's similarities alone
+    aligned = not (name == "phase2" and config.model.phase1_teacher_model)
     return PhaseSettings(
         name=name,
         epochs=phase_config.epochs,
@@ -88,8 +92,8 @@ def phase_settings(config: Config, name: str, world: int) -> PhaseSettings:
         weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm,
         weights=LossWeights(
-            t.cosine_weight,
-            t.mse_weight,
+            t.cosine_weight if aligned else 0.0,
+            t.mse_weight if aligned else 0.0,
             t.kl_weight,
             t.temperature,
             matryoshka_full_teacher_similarity=t.matryoshka_full_teacher_similarity,

@@ -40,7 +40,7 @@ from distill.loop import CheckpointSettings, train_phase, training_memory_messag
 from distill.phases import Phase, check_phase_sizes, make_phases
 from distill.report import check_output_dir, prepare_output_dir, results_table, write_results
 from distill.results import PhaseFigures, RunResults
-from distill.student import DistillationModel, build_student, check_declared_dimensions
+from distill.student import DistillationModel, build_student, check_declared_dimensions, phase_bases
 from distill.teacher import TeacherVectors, embed_with_teacher, teacher_dtype
 from distill.tracking import tracker_config
 
@@ -65,8 +65,9 @@ def run(config: Config) -> RunResults:
     with stage("teacher"):
         teacher = embed_with_teacher(accelerator, config, data, costs)
     with stage("student"):
-        model, dims, basis = build_student(accelerator, config, teacher.dim, *teacher.fit_sample(data))
-        evaluation = eval_inputs(model.student, data, teacher.evaluation, basis)
+        model, dims, basis = build_student(accelerator, config, teacher.fit_dim, *teacher.fit_sample(data))
+        bases = phase_bases(accelerator, config, model, basis, teacher)
+        evaluation = eval_inputs(model.student, data, teacher.evaluation, bases["phase2"])
     output_dir = prepare_output_dir(accelerator, config)  # inputs are valid: from here on the run writes
     accelerator.init_trackers(config.output.tracker_project, config=tracker_config(config))
 
@@ -75,7 +76,7 @@ def run(config: Config) -> RunResults:
     for phase in phases:
         if resume is not None and PHASES.index(phase.name) < PHASES.index(state.phase):
             continue  # finished before the checkpoint; its figures are in the checkpoint's results
-        phase.use_student(dims, basis)
+        phase.use_student(dims, bases[phase.name])
         evaluations = None
         if evaluation is not None:
             evaluations = PhaseEvaluation(accelerator, config, evaluation, dims, phase.name, state, output_dir)

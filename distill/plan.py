@@ -305,15 +305,21 @@ def make_plan(
     student_folder = config_folder(model.student_model, None)
     teacher = model_shape(teacher_folder, None, model.trust_remote_code)
     student = model_shape(student_folder, model.student_num_layers, model.trust_remote_code)
+    # phase 1's texts are encoded by phase 1's own target where phase1_teacher_model names one
+    phase1_folder = config_folder(model.phase1_teacher_model, None) if model.phase1_teacher_model else None
+    phase1_teacher = model_shape(phase1_folder, None, model.trust_remote_code) if phase1_folder else teacher
     lists = text_lists(config, not training.skip_phase1, not training.skip_phase2)
-    measured, teacher_tokenizer = measure_texts(config, lists, teacher_folder, student_folder)
+    measured, teacher_tokenizer = measure_texts(config, lists, teacher_folder, student_folder, phase1_folder)
     if device.base_bytes:  # a CPU: the process's base is its RSS with the data and tokenizers a run holds, too
         device = replace(device, base_bytes=process_base_bytes())
     del lists
     measured = scale_counts(measured, phase1_texts, phase2_pairs)
     projection = student.dim * teacher.dim + teacher.dim if model.use_projection else 0
 
-    teacher_flops = sum(teacher.forward_flops(t.count, t.teacher_tokens, t.teacher_square) for t in measured)
+    def encoder(text_list: TextList) -> ModelShape:
+        return phase1_teacher if text_list.phase == "phase1" else teacher
+
+    teacher_flops = sum(encoder(t).forward_flops(t.count, t.teacher_tokens, t.teacher_square) for t in measured)
     teacher_seconds = teacher_flops / (processes * device.teacher_rate)
     train_flops, steps = training_flops(config, student, measured, projection // max(teacher.dim, 1))
     train_seconds_by_phase = {phase: flops / (processes * device.student_rate) for phase, flops in train_flops.items()}
@@ -324,6 +330,8 @@ def make_plan(
     allreduce = int(ring * (student.trainable_parameters + projection) * gradient_bytes)
     link = device.link_bytes_per_s if machines == 1 else min(device.link_bytes_per_s, INTER_MACHINE_BYTES_PER_S)
     teacher_memory, student_memory = memory(config, device, teacher, student, measured, projection)
+    if phase1_folder:  # the two are loaded one after the other: the larger peak
+        teacher_memory = max(teacher_memory, memory(config, device, phase1_teacher, student, measured, projection)[0])
     checkpoint_one = (
         (student.parameters + projection) * 4
         + (student.trainable_parameters + projection) * 8
@@ -344,7 +352,7 @@ def make_plan(
             }
             for phase in phases
         },
-        cache_bytes=sum(t.count * teacher.dim * 2 + CACHE_ENTRY_OVERHEAD for t in measured),
+        cache_bytes=sum(t.count * encoder(t).dim * 2 + CACHE_ENTRY_OVERHEAD for t in measured),
         teacher_flops=teacher_flops,
         teacher_seconds=teacher_seconds,
         train_flops=train_flops,
@@ -362,6 +370,7 @@ def make_plan(
             "teacher_dense": teacher.dense_parameters,
             "student": student.parameters,
             "student_dense": student.dense_parameters,
+            **({"phase1_teacher": phase1_teacher.parameters} if phase1_folder else {}),
         },
         dominant="the teacher's encoding" if teacher_seconds >= train_seconds else "the student's training",
         device_memory_bytes=device.memory_bytes,
@@ -378,10 +387,14 @@ def make_plan(
 
 
 def measure_texts(
-    config: Config, lists: dict[str, tuple[str, Role, list[str]]], teacher_folder: Path, student_folder: Path
+    config: Config,
+    lists: dict[str, tuple[str, Role, list[str]]],
+    teacher_folder: Path,
+    student_folder: Path,
+    phase1_folder: Path | None = None,
 ) -> tuple[list[TextList], str]:
     """Every text list of the run (`text_lists`) with its lengths in both tokenizers; which tokenizer counted
-    the teacher's."""
+    the teacher's. `phase1_folder`: phase 1's own target, whose tokenizer and prompts count phase 1's texts."""
     import torch
 
     from distill.teacher import TeacherSpec
@@ -393,11 +406,17 @@ def measure_texts(
         raise DistillError(f"the planner needs the student's tokenizer; {student_folder} has none")
     own = tokenizer_of(teacher_folder)
     teacher_tokenizer = own or student_tokenizer
+    encoders = {"phase2": (teacher_tokenizer, spec)}
+    encoders["phase1"] = encoders["phase2"]
+    if phase1_folder is not None:
+        phase1_spec = TeacherSpec.from_config(model, torch.device("cpu"), phase1=True)
+        encoders["phase1"] = (tokenizer_of(phase1_folder) or student_tokenizer, phase1_spec)
     student_length = model.max_seq_length or spec.max_seq_length
     measured = []
     for name, (phase, role, texts) in lists.items():
         chosen = sample(texts, training.seed)
-        t_mean, t_square, _ = length_stats(teacher_tokenizer, chosen, spec.prompt(role), spec.max_seq_length)
+        tokenizer, encoder = encoders.get(phase, encoders["phase2"])
+        t_mean, t_square, _ = length_stats(tokenizer, chosen, encoder.prompt(role), encoder.max_seq_length)
         s_mean, s_square, s_max = length_stats(student_tokenizer, chosen, "", student_length)
         measured.append(TextList(name, phase, len(texts), t_mean, t_square, s_mean, s_square, s_max))
     return (
@@ -552,7 +571,8 @@ def plan_text(plan: Plan) -> str:
     lines += [
         "",
         f"teacher: {p['teacher'] / 1e6:,.1f}M parameters ({p['teacher_dense'] / 1e6:,.1f}M outside the embeddings); "
-        f"student: {p['student'] / 1e6:,.1f}M ({p['student_dense'] / 1e6:,.1f}M)",
+        f"student: {p['student'] / 1e6:,.1f}M ({p['student_dense'] / 1e6:,.1f}M)"
+        + (f"; phase 1's target: {p['phase1_teacher'] / 1e6:,.1f}M" if "phase1_teacher" in p else ""),
         f"teacher cache on disk: {plan.cache_bytes / 1e6:,.1f} MB (float16, one vector per text; paid once)",
         f"teacher encoding: {plan.teacher_flops:.3g} FLOPs, {duration(plan.teacher_seconds)} per process",
     ]

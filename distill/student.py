@@ -28,6 +28,8 @@ from distill.hub import declared_dimension, load_sentence_transformer, resolve_m
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
 
+    from distill.teacher import TeacherVectors
+
 LAYER_CONTAINERS = ("encoder.layer", "encoder.layers", "layers", "transformer.layer", "h", "block", "encoder.block")
 
 
@@ -328,11 +330,11 @@ def add_rotation(student: SentenceTransformer, rotation: torch.Tensor) -> None:
     student._modules = OrderedDict((str(i), m) for i, m in enumerate([*modules[:at], dense, *modules[at:]]))
 
 
-def check_dimensions(student_dim: int, teacher_dim: int, use_projection: bool) -> None:
+def check_dimensions(student_dim: int, teacher_dim: int, use_projection: bool, teacher: str = "teacher") -> None:
     if not use_projection and teacher_dim < student_dim:
         raise DistillError(
-            f"Matryoshka mode truncates the teacher's {teacher_dim}-d embeddings to the student's {student_dim} "
-            "dimensions, but the teacher is narrower; pass --use_projection True, or a student of at most "
+            f"Matryoshka mode truncates the {teacher}'s {teacher_dim}-d embeddings to the student's {student_dim} "
+            f"dimensions, but the {teacher} is narrower; pass --use_projection True, or a student of at most "
             f"{teacher_dim} dimensions"
         )
 
@@ -378,7 +380,8 @@ def build_student(
         enable_gradient_checkpointing(student)  # before Accelerate prepares (and perhaps compiles) the model
     student.to(accelerator.device)
     student_dim = embedding_dim(student)
-    check_dimensions(student_dim, teacher_dim, config.model.use_projection)
+    target = "phase-1 teacher" if config.model.phase1_teacher_model else "teacher"
+    check_dimensions(student_dim, teacher_dim, config.model.use_projection, target)
     if not config.model.use_projection and config.model.matryoshka_basis == "none":
         return DistillationModel(student), matryoshka_dims(student_dim, config.model.matryoshka_dims), None
     texts, targets = fit_texts, fit_targets
@@ -397,11 +400,39 @@ def build_student(
         return DistillationModel(student, projection.to(accelerator.device)), None, None
     # MRL with a PCA basis: the teacher's coordinates ordered by variance, so its truncations keep the most;
     # the student gets the fixed rotation that best lines its own space up with that basis.
-    pca_rows = np.sort(np.random.default_rng(config.training.seed).permutation(len(targets))[:PCA_FIT_SAMPLES])
-    basis = main_decides(accelerator, lambda: pca_basis(targets[pca_rows])[:, :student_dim])
+    basis = fit_basis(accelerator, targets, student_dim, config.training.seed)
     rotated = torch.nn.functional.normalize(torch.from_numpy(sampled_targets @ basis), dim=-1)
     add_rotation(student, orthogonal_procrustes(torch.from_numpy(student_vectors), rotated).to(accelerator.device))
     return DistillationModel(student), matryoshka_dims(student_dim, config.model.matryoshka_dims), basis
+
+
+def fit_basis(accelerator: Accelerator, targets: np.ndarray, student_dim: int, seed: int) -> np.ndarray:
+    """The first `student_dim` principal axes of a seeded sample of `targets` (dim x student_dim, orthonormal)."""
+    rows = np.sort(np.random.default_rng(seed).permutation(len(targets))[:PCA_FIT_SAMPLES])
+    return main_decides(accelerator, lambda: pca_basis(targets[rows])[:, :student_dim])
+
+
+def phase_bases(
+    accelerator: Accelerator,
+    config: Config,
+    model: DistillationModel,
+    basis: np.ndarray | None,
+    teacher: TeacherVectors,
+) -> dict[str, np.ndarray | None]:
+    """The teacher basis each phase (and the evaluation, as phase 2) reads its targets in.
+
+    `basis` is the one `build_student` fitted on phase 1's targets. Where `phase1_teacher_model` gives phase 1
+    another target than the teacher, the teacher gets its own basis, fitted on its phase-2 passages: phase 2
+    compares similarities only, so the two spaces need not match.
+    """
+    if not config.model.phase1_teacher_model:
+        return {"phase1": basis, "phase2": basis}
+    student_dim = embedding_dim(model.student)
+    check_dimensions(student_dim, teacher.dim, use_projection=False)
+    own = None
+    if basis is not None and teacher.passages is not None:
+        own = fit_basis(accelerator, teacher.passages, student_dim, config.training.seed)
+    return {"phase1": basis, "phase2": own}
 
 
 def encode_student(

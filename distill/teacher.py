@@ -98,16 +98,23 @@ class TeacherSpec:
     document_prompt: str = ""
 
     @classmethod
-    def from_config(cls, config: ModelConfig, device: torch.device) -> TeacherSpec:
-        path = resolve_model(config.teacher_model, config.teacher_revision)
-        declared = teacher_prompts(path, config.teacher_revision)
-        query = role_prompt(declared, config.teacher_query_prompt, "query", path)
-        document = role_prompt(declared, config.teacher_document_prompt, "document", path)
+    def from_config(cls, config: ModelConfig, device: torch.device, phase1: bool = False) -> TeacherSpec:
+        """The teacher; with `phase1`, phase 1's own target where `phase1_teacher_model` names one (its own
+        prompts, its latest revision), else the teacher."""
         dtype = teacher_dtype(config.teacher_dtype, device)
         # Unset, the teacher reads what the student reads; the teacher's own limit only when the student's is unknown.
         max_length = (
             config.teacher_max_seq_length or config.max_seq_length or student_max_seq_length(config.student_model)
         )
+        if phase1 and config.phase1_teacher_model:
+            path = resolve_model(config.phase1_teacher_model)
+            declared = teacher_prompts(path)
+            query, document = (role_prompt(declared, None, role, path) for role in ("query", "document"))
+            return cls(path, None, max_length, query, config.trust_remote_code, dtype, document)
+        path = resolve_model(config.teacher_model, config.teacher_revision)
+        declared = teacher_prompts(path, config.teacher_revision)
+        query = role_prompt(declared, config.teacher_query_prompt, "query", path)
+        document = role_prompt(declared, config.teacher_document_prompt, "document", path)
         return cls(path, config.teacher_revision, max_length, query, config.trust_remote_code, dtype, document)
 
     def prompt(self, role: Role) -> str:
@@ -514,10 +521,16 @@ class TeacherVectors:
 
     @property
     def dim(self) -> int:
-        for vectors in (self.phase1, self.queries, self.evaluation.corpus if self.evaluation else None):
+        """The teacher's dimension (phase 1's vectors come from another model under `phase1_teacher_model`)."""
+        for vectors in (self.queries, self.evaluation.corpus if self.evaluation else None, self.phase1):
             if vectors is not None:
                 return int(vectors.shape[1])
         raise DistillError("nothing to distill: both phases are skipped and there is no evaluation set")
+
+    @property
+    def fit_dim(self) -> int:
+        """The dimension of the vectors `fit_sample` returns."""
+        return int(self.phase1.shape[1]) if self.phase1 is not None else self.dim
 
 
 def embed_with_teacher(
@@ -529,16 +542,26 @@ def embed_with_teacher(
     from the figures kept beside the cache for this device, or, with neither, by loading it once on the main
     process.
     """
-    cache = TeacherCache(
-        accelerator,
-        TeacherSpec.from_config(config.model, accelerator.device),
-        config.output.teacher_cache_dir,
-        config.training.teacher_batch_size or config.training.batch_size,
-    )
+    batch_size = config.training.teacher_batch_size or config.training.batch_size
+    spec = TeacherSpec.from_config(config.model, accelerator.device)
+    cache = TeacherCache(accelerator, spec, config.output.teacher_cache_dir, batch_size)
     seconds = {}
-    phase1 = cache.embeddings(data.phase1_texts, "document") if data.phase1_texts else None
-    seconds["phase1"] = cache.seconds
+    phase1 = None
+    phase1_loaded, phase1_load_seconds = False, 0.0
+    if data.phase1_texts and config.model.phase1_teacher_model:  # phase 1's own target, loaded and freed first
+        phase1_spec = TeacherSpec.from_config(config.model, accelerator.device, phase1=True)
+        phase1_cache = TeacherCache(accelerator, phase1_spec, config.output.teacher_cache_dir, batch_size)
+        phase1 = phase1_cache.embeddings(data.phase1_texts, "document")
+        seconds["phase1"] = phase1_cache.seconds
+        phase1_loaded, phase1_load_seconds = phase1_cache.loaded, phase1_cache.load_seconds
+        phase1_cache.release()
+    elif data.phase1_texts:
+        phase1 = cache.embeddings(data.phase1_texts, "document")
+        seconds["phase1"] = cache.seconds
+    else:
+        seconds["phase1"] = 0.0
     queries = passages = rows = topics = None
+    started = cache.seconds  # the teacher's time before phase 2: phase 1's, unless phase 1 has its own target
     if len(data.phase2):
         texts, rows = passage_texts(data.phase2)
         queries = cache.embeddings(data.phase2.queries, "query")
@@ -549,7 +572,7 @@ def embed_with_teacher(
             topics = main_decides(
                 accelerator, lambda: topic_clusters(PairVectors(queries, passages, positives), size, seed)
             )
-    seconds["phase2"] = cache.seconds - seconds["phase1"]
+    seconds["phase2"] = cache.seconds - started
     evaluation = None
     if data.evaluation is not None:
         e = data.evaluation
@@ -558,8 +581,8 @@ def embed_with_teacher(
             np.asarray(cache.embeddings(e.corpus, "document"), dtype=np.float32),
             np.asarray(cache.embeddings(e.sts_texts, "document"), dtype=np.float32) if e.sts_texts else None,
         )
-    seconds["evaluation"] = cache.seconds - seconds["phase1"] - seconds["phase2"]
-    loaded = cache.loaded
+    seconds["evaluation"] = cache.seconds - started - seconds["phase2"]
+    loaded = cache.loaded or phase1_loaded
     cost = None
     if cost_texts is not None:
         key = cache.key(cost_texts.passages, "document")  # collective the first time: on every process
@@ -569,9 +592,8 @@ def embed_with_teacher(
     if rows is not None and config.data.mine_hard_negatives and rows.shape[1] == 1:  # the data brings none
         # after the teacher is gone: on a GPU the search needs the device memory the teacher held
         rows = np.concatenate([rows, mined_negatives(accelerator, config, texts, queries, passages)], axis=1)
-    return TeacherVectors(
-        phase1, queries, passages, rows, topics, evaluation, seconds, loaded, cache.load_seconds, cost
-    )
+    load_seconds = cache.load_seconds + phase1_load_seconds
+    return TeacherVectors(phase1, queries, passages, rows, topics, evaluation, seconds, loaded, load_seconds, cost)
 
 
 def mined_negatives(

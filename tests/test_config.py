@@ -168,6 +168,14 @@ def test_unknown_yaml_key_via_build_config() -> None:
         ),
         (["--skip_phase1", "--skip_phase2"], r"skip_phase1 and skip_phase2 are both set"),
         (
+            ["--phase1_teacher_model", "student/source"],
+            r"phase1_teacher_model: a projection maps to one teacher's space.*; pass --use_projection False or drop",
+        ),
+        (
+            ["--phase1_teacher_model", "student/source", "--use_projection", "False", "--skip_phase2"],
+            r"phase1_teacher_model: .* needs both phases; drop --phase1_teacher_model or --skip_phase1 / --skip_phase2",
+        ),
+        (
             ["--torch_compile_backend", "tvm"],
             r"torch_compile_backend: expected one of inductor/cudagraphs/aot_eager/eager, got 'tvm'",
         ),

@@ -54,6 +54,23 @@ def test_the_plan_counts_what_the_run_does(tiny_models, tiny_data, tmp_path, mon
     assert figures.allreduce_bytes_per_step == 0  # one process
 
 
+def test_phase_1s_own_target_encodes_phase_1s_texts_in_the_plan(tiny_models, tiny_data, tmp_path, monkeypatch):
+    no_weights(monkeypatch)
+    device = device_for("h100", None, None)
+    flags = tiny_run_flags(tiny_models, tiny_data, tmp_path, use_projection=False, efficiency_texts=0)
+    alone = make_plan(load_config(flags), device)
+    source = tiny_models["wide_student"]  # 64-d, 2 layers: another shape and cache width than the 48-d teacher
+    both = make_plan(load_config([*flags, "--phase1_teacher_model", str(source)]), device)
+    shapes = {name: model_shape(tiny_models[name]) for name in ("teacher", "wide_student")}
+    assert both.parameters["phase1_teacher"] == shapes["wide_student"].parameters
+    assert "phase1_teacher" not in alone.parameters
+    phase1 = both.texts["phase1 texts"]
+    assert both.cache_bytes - alone.cache_bytes == phase1 * 2 * (64 - 48)  # float16 vectors of the other width
+    assert shapes["wide_student"].dense_parameters > shapes["teacher"].dense_parameters
+    assert both.teacher_flops > alone.teacher_flops  # phase 1's texts through the larger model
+    assert f"phase 1's target: {shapes['wide_student'].parameters / 1e6:,.1f}M" in plan.plan_text(both)
+
+
 def test_more_processes_share_the_work_and_all_reduce_the_gradients(tiny_models, tiny_data, tmp_path):
     one = make_plan(load_config(tiny_run_flags(tiny_models, tiny_data, tmp_path)), device_for("a100", None, None))
     flags = [*tiny_run_flags(tiny_models, tiny_data, tmp_path, batch_size=4), "--num_processes", "2"]

@@ -229,6 +229,71 @@ def test_matryoshka_mode_trains_truncated_dims(tiny_models, tiny_data, tmp_path,
     assert_sentence_transformers_evaluators_agree(flags, model, results["student_after"], matryoshka_dims=(32, 16, 8))
 
 
+def test_phase1_teacher_model_sets_phase_1s_target_and_leaves_the_teacher_to_phase_2(
+    tiny_models, tiny_data, tmp_path, monkeypatch
+):
+    """The student pruned from its source (4 -> 2 layers) is aligned to the source in phase 1, and learns the teacher's
+    similarities in phase 2; each phase reads its targets in its own model's basis; a warm run loads neither model."""
+    from distill.phases import Phase
+    from distill.teacher import TeacherCache
+
+    encoded, bases = [], {}
+    embeddings, use_student = TeacherCache.embeddings, Phase.use_student
+
+    def spy_embeddings(self, texts, role):
+        encoded.append((Path(self.spec.path).parent.name, role, len(texts)))
+        return embeddings(self, texts, role)
+
+    def spy_use_student(self, dims, basis):
+        bases[self.name] = None if basis is None else basis.shape
+        return use_student(self, dims, basis)
+
+    monkeypatch.setattr(TeacherCache, "embeddings", spy_embeddings)
+    monkeypatch.setattr(Phase, "use_student", spy_use_student)
+    source = tiny_models["student"]
+    cache = tmp_path / "cache"
+    flags = tiny_run_flags(
+        tiny_models,
+        tiny_data,
+        tmp_path / "cold",
+        use_projection=False,
+        student_num_layers=2,
+        phase1_teacher_model=source,
+        teacher_cache_dir=cache,
+    )
+    assert main([*flags, "--save_to_artifacts"]) == 0
+    texts = len((tiny_data["texts"]).read_text().splitlines())
+    assert encoded[0] == ("student", "document", texts)  # phase 1's texts, by the source alone
+    assert {name for name, _, _ in encoded[1:]} == {"teacher"}  # pairs and evaluation, by the teacher
+    assert bases == {"phase1": (32, 32), "phase2": (48, 32)}  # the source's 32-d basis, the teacher's 48-d one
+    results = results_of(tmp_path / "cold")
+    assert results["teacher_loaded"] is True and results["mode"] == "matryoshka"
+    assert results["config"]["phase1_teacher_model"] == str(source)
+    model = SentenceTransformer(str(tmp_path / "cold" / "artifacts" / "model"), device="cpu")
+    assert model.encode(["a"]).shape == (1, 32)
+    card = (tmp_path / "cold" / "artifacts" / "model" / "README.md").read_text()
+    assert f"Phase 1 aligned it to `{source}`; phase 2 distilled the teacher's similarities." in card
+
+    reset_accelerate()
+
+    def no_teacher(*args, **kwargs):
+        raise AssertionError("a model was loaded although every embedding was cached")
+
+    monkeypatch.setattr("distill.teacher.load_teacher", no_teacher)
+    warm = tiny_run_flags(
+        tiny_models,
+        tiny_data,
+        tmp_path / "warm",
+        use_projection=False,
+        student_num_layers=2,
+        phase1_teacher_model=source,
+        teacher_cache_dir=cache,
+        efficiency_texts=0,
+    )
+    assert main(warm) == 0
+    assert results_of(tmp_path / "warm")["teacher_loaded"] is False
+
+
 def test_matryoshka_without_a_basis_truncates_the_teacher_as_it_is(tiny_models, tiny_data, tmp_path):
     out = tmp_path / "mrl_plain"
     flags = tiny_run_flags(tiny_models, tiny_data, out, use_projection=False, matryoshka_basis="none")
