@@ -366,7 +366,8 @@ def test_two_processes_match_one_process_with_twice_the_batch(
 
     Phase 1 includes its in-batch similarity term, so its gather-with-gradient is covered as well as phase 2's,
     and phase 2 keeps a cross-batch passage memory and adds the relative similarity and structure KL losses; in
-    Matryoshka mode the teacher basis computed on the main process reaches every process. The Matryoshka runs
+    Matryoshka mode the teacher basis computed on the main process reaches every process (two bases: phase 1 aligns
+    to another model, `--phase1_teacher_model`, and phase 2 distils the teacher's similarities). The Matryoshka runs
     accumulate 2 batches a step, so DDP's skipped all-reduces, the gathers between them and the memory's one entry
     per step are covered too (measured: the backbones end 0.002% of their movement apart, every loss within 4e-8).
 
@@ -386,6 +387,8 @@ def test_two_processes_match_one_process_with_twice_the_batch(
         "use_projection": use_projection,
         "gradient_accumulation_steps": accumulation,
     }
+    if not use_projection:  # phase 1 against another model: its vectors and basis reach every process too
+        common["phase1_teacher_model"] = tiny_models["wide_student"]
     flags_two = tiny_run_flags(tiny_models, tiny_data, two, batch_size=4, **common)
     if form == "relaunch":
         done = launch([sys.executable, "-m", "distill.train", "--num_processes", "2", *flags_two])
