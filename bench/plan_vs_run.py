@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,11 +44,15 @@ def measure(config: str, checkpoint_steps: int, work: Path, reuse: bool) -> dict
     """The run of `config` from a cold teacher cache; what it spent (kept in `work`/measured.json, which `reuse`
     reads instead of running again)."""
     kept = work / "measured.json"
+    digest = hashlib.sha256((ROOT / config).read_bytes()).hexdigest()[:16]  # the file's settings, not only its name
     if reuse and kept.is_file():
         figures = json.loads(kept.read_text())
-        if figures.get("config") == config:
+        if figures.get("config") == config and figures.get("config_sha256") == digest:
             return figures
+        print(f"{config}: {kept} is of another config or another version of it; running it again", file=sys.stderr)
     out, cache = work / "run", work / "cache"
+    for folder in (out, cache):  # an earlier run's outputs and cache: the teacher must encode everything again
+        shutil.rmtree(folder, ignore_errors=True)
     command = [sys.executable, "-m", "distill.train", "--config", config, "--output_dir", str(out)]
     command += ["--teacher_cache_dir", str(cache), "--save_to_artifacts", "False", "--log_with", "none"]
     command += ["--checkpoint_steps", str(checkpoint_steps), "--checkpoints_total_limit", "1"]
@@ -57,6 +63,7 @@ def measure(config: str, checkpoint_steps: int, work: Path, reuse: bool) -> dict
     entries = [p for p in cache.iterdir() if (p / "manifest.json").is_file()]
     figures = {
         "config": config,
+        "config_sha256": digest,
         "measured_at": f"{dt.datetime.now():%Y-%m-%d %H:%M}",
         "teacher_seconds": sum(p["teacher_seconds"] for p in phases) + results.get("teacher_seconds_evaluation", 0),
         "train_seconds": sum(p["train_seconds"] for p in phases),
