@@ -406,16 +406,15 @@ def measure_texts(
         raise DistillError(f"the planner needs the student's tokenizer; {student_folder} has none")
     own = tokenizer_of(teacher_folder)
     teacher_tokenizer = own or student_tokenizer
-    encoders = {"phase2": (teacher_tokenizer, spec)}
-    encoders["phase1"] = encoders["phase2"]
+    phase1_encoder = (teacher_tokenizer, spec)
     if phase1_folder is not None:
         phase1_spec = TeacherSpec.from_config(model, torch.device("cpu"), phase1=True)
-        encoders["phase1"] = (tokenizer_of(phase1_folder) or student_tokenizer, phase1_spec)
+        phase1_encoder = (tokenizer_of(phase1_folder) or student_tokenizer, phase1_spec)
     student_length = model.max_seq_length or spec.max_seq_length
     measured = []
     for name, (phase, role, texts) in lists.items():
         chosen = sample(texts, training.seed)
-        tokenizer, encoder = encoders.get(phase, encoders["phase2"])
+        tokenizer, encoder = phase1_encoder if phase == "phase1" else (teacher_tokenizer, spec)
         t_mean, t_square, _ = length_stats(tokenizer, chosen, encoder.prompt(role), encoder.max_seq_length)
         s_mean, s_square, s_max = length_stats(student_tokenizer, chosen, "", student_length)
         measured.append(TextList(name, phase, len(texts), t_mean, t_square, s_mean, s_square, s_max))

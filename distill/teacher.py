@@ -545,21 +545,16 @@ def embed_with_teacher(
     batch_size = config.training.teacher_batch_size or config.training.batch_size
     spec = TeacherSpec.from_config(config.model, accelerator.device)
     cache = TeacherCache(accelerator, spec, config.output.teacher_cache_dir, batch_size)
-    seconds = {}
-    phase1 = None
-    phase1_loaded, phase1_load_seconds = False, 0.0
-    if data.phase1_texts and config.model.phase1_teacher_model:  # phase 1's own target, loaded and freed first
+    phase1_cache = cache  # phase 1's texts go through phase 1's own target where phase1_teacher_model names one
+    if data.phase1_texts and config.model.phase1_teacher_model:
         phase1_spec = TeacherSpec.from_config(config.model, accelerator.device, phase1=True)
         phase1_cache = TeacherCache(accelerator, phase1_spec, config.output.teacher_cache_dir, batch_size)
-        phase1 = phase1_cache.embeddings(data.phase1_texts, "document")
-        seconds["phase1"] = phase1_cache.seconds
-        phase1_loaded, phase1_load_seconds = phase1_cache.loaded, phase1_cache.load_seconds
+    phase1 = phase1_cache.embeddings(data.phase1_texts, "document") if data.phase1_texts else None
+    seconds = {"phase1": phase1_cache.seconds}
+    own = phase1_cache is not cache  # loaded and freed before the teacher
+    phase1_loaded, phase1_load_seconds = (phase1_cache.loaded, phase1_cache.load_seconds) if own else (False, 0.0)
+    if own:
         phase1_cache.release()
-    elif data.phase1_texts:
-        phase1 = cache.embeddings(data.phase1_texts, "document")
-        seconds["phase1"] = cache.seconds
-    else:
-        seconds["phase1"] = 0.0
     queries = passages = rows = topics = None
     started = cache.seconds  # the teacher's time before phase 2: phase 1's, unless phase 1 has its own target
     if len(data.phase2):
