@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from distill.allocator import allocator_named_in, find_tcmalloc, preload_value
-from distill.config import ModelConfig
+from distill.student import TRAINING_ATTENTION_DROPOUT
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS_SCRIPT = Path(__file__).resolve().parent / "variants.py"
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
-# The toolkit's default --student_attention_dropout, read from its config: the floor trains the same student.
-ATTENTION_DROPOUT = ModelConfig().student_attention_dropout
+# The toolkit's student trains without attention dropout: the floor trains the same student.
+ATTENTION_DROPOUT = TRAINING_ATTENTION_DROPOUT
 VERSIONED = ("torch", "transformers", "sentence-transformers", "accelerate", "datasets", "numpy")
 HAND_WRITTEN_MARKER = "<!-- hand-written below: bench/run.py rewrites only the bench:* blocks above it -->"
 BLOCKS = ("main", "memory", "scaling")
@@ -67,12 +67,12 @@ def workload_texts(count: int) -> tuple[list[str], str]:
     sentences (2,528); past those, the same pool again with a numbered prefix ("2: ...") so every text is
     distinct (the toolkit drops exact duplicates). The evaluation articles are never used.
     """
-    from distill import embedded
+    from distill.embedded import corpus
 
-    wikipedia = _clean(embedded.wikipedia_sentences(embedded.train_articles()))
+    wikipedia = _clean(corpus.wikipedia_sentences(corpus.train_articles()))
     if count <= len(wikipedia):
         return wikipedia[:count], f"the first {count:,} embedded Wikipedia training sentences"
-    pool = _clean(wikipedia + embedded.lee_background())
+    pool = _clean(wikipedia + corpus.lee_background())
     texts = list(pool)
     copy = 2
     while len(texts) < count:
@@ -174,7 +174,6 @@ def toolkit_command(spec: dict, output_dir: Path, cache_dir: Path, export: bool)
         "weight_decay": spec["weight_decay"],
         "max_grad_norm": spec["max_grad_norm"],
         "pad_to_multiple_of": spec["pad_to_multiple_of"],
-        "student_attention_dropout": spec["attention_dropout"],
         "skip_phase2": True,
         "eval_data": "none",
         "output_dir": output_dir,

@@ -4,8 +4,6 @@
 the seed, the epoch and the global batch size; Accelerate (`split_batches=True`) hands each process its
 slice. So 2 processes x batch B see exactly the batches 1 process x batch 2B sees, and grouping similar
 lengths leaves little padding (about 2% against 56% for random batches on the demo data).
-With topic labels (`topic_clusters`, `--topic_cluster_size`) the groups sorted by length are clusters of
-similar pairs instead of random megabatches.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from itertools import chain
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -183,15 +181,11 @@ class LengthGroupedBatchSampler:
         batch_size: int,
         seed: int,
         megabatch_factor: int = MEGABATCH_FACTOR,
-        topics: np.ndarray | None = None,
     ):
         self.lengths = np.asarray(lengths)
         self.batch_size = batch_size  # global: per-process batch x number of processes
         self.seed = seed
         self.megabatch = batch_size * megabatch_factor
-        # With topics (a cluster label per sample), the groups sorted by length are the clusters instead of
-        # random megabatches, so each batch holds one topic or two: harder in-batch negatives (TAS, below).
-        self.topics = None if topics is None else np.asarray(topics)
         self.epoch = 0
         self.drop_last = True  # every step has a full batch, so in-batch negatives and equivalence hold
 
@@ -208,15 +202,8 @@ class LengthGroupedBatchSampler:
         # the samples beyond the last full batch are left out at random, before grouping: cut from the grouped
         # stream, they would be the shortest of its last group, so the shortest texts would never be trained on
         order = rng.permutation(len(self.lengths))[: len(self) * self.batch_size]
-        if self.topics is None:
-            groups = [order[start : start + self.megabatch] for start in range(0, len(order), self.megabatch)]
-        else:  # each cluster's samples in this epoch's random order (a stable sort), the clusters in random order
-            by_topic = order[np.argsort(self.topics[order], kind="stable")]
-            labels = self.topics[by_topic]
-            clusters = np.split(by_topic, np.flatnonzero(labels[1:] != labels[:-1]) + 1)
-            groups = [clusters[i] for i in rng.permutation(len(clusters))]
-        # longest first inside each group; the groups end to end, cut into batches (clusters vary in size, so a
-        # batch may straddle two; random megabatches are whole batches, so cutting them together changes nothing)
+        groups = [order[start : start + self.megabatch] for start in range(0, len(order), self.megabatch)]
+        # longest first inside each group (a megabatch holds whole batches); the groups end to end, cut into batches
         stream = np.concatenate([g[np.argsort(-self.lengths[g], kind="stable")] for g in groups])
         batches = [stream[i : i + self.batch_size] for i in range(0, len(stream), self.batch_size)]
         order = rng.permutation(len(batches))  # groups themselves in random order,
@@ -224,73 +211,6 @@ class LengthGroupedBatchSampler:
         order[[0, widest]] = order[[widest, 0]]  # except that the widest batch comes first (see the class doc)
         for index in order:
             yield batches[index].tolist()
-
-
-class RowSource(Protocol):
-    """Rows of vectors on demand: an array, a memory-mapped cache, or `PairVectors`."""
-
-    def __len__(self) -> int: ...
-    def __getitem__(self, rows: np.ndarray) -> np.ndarray: ...
-
-
-TOPIC_FIT_ROWS = 65536  # k-means learns its centres from at most this many rows (and 4 per cluster), seeded
-TOPIC_CHUNK_ROWS = 8192  # rows read, normalised and assigned at a time
-
-
-def topic_clusters(
-    vectors: RowSource,
-    cluster_size: int,
-    seed: int,
-    iterations: int = 20,
-    fit_rows: int = TOPIC_FIT_ROWS,
-    chunk_rows: int = TOPIC_CHUNK_ROWS,
-) -> np.ndarray:
-    """A cluster label per row: k-means (k-means++ start, seeded) on the unit vectors, about `cluster_size` a cluster.
-
-    Phase 2 with `--topic_cluster_size` builds its batches from these clusters of the teacher's pair vectors,
-    as topic-aware sampling does (TAS, Hofstatter et al., SIGIR 2021): each batch holds passages on one
-    subject or two, so the in-batch KL learns how the teacher ranks close passages, not only random ones.
-    Euclidean k-means on unit vectors groups by cosine.
-
-    `vectors` is anything indexed by an array of rows (a memory-mapped cache, or `PairVectors`, which adds
-    two of them row by row): it is read in chunks, never whole. Up to `fit_rows` rows, k-means runs on all of
-    them; above, it learns its centres from a seeded sample of max(fit_rows, 4 per cluster) rows and every row
-    goes to its nearest centre, so a million pairs of a 4096-d teacher cost a sample's fit and one pass, not a
-    16 GB copy and 20 passes of O(rows x clusters x dim).
-    """
-    from sklearn.cluster import KMeans  # a sentence-transformers dependency; imported only when asked for
-
-    total = len(vectors)
-    count = max(1, min(total, round(total / cluster_size)))
-    kmeans = KMeans(n_clusters=count, n_init=1, max_iter=iterations, random_state=seed)
-    if total <= fit_rows:
-        return kmeans.fit_predict(_unit_rows(vectors, np.arange(total))).astype(np.int64)
-    sample = np.sort(np.random.default_rng(seed).permutation(total)[: max(fit_rows, 4 * count)])
-    kmeans.fit(_unit_rows(vectors, sample))
-    labels = np.empty(total, dtype=np.int64)
-    for start in range(0, total, chunk_rows):
-        rows = np.arange(start, min(start + chunk_rows, total))
-        labels[rows] = kmeans.predict(_unit_rows(vectors, rows))
-    return labels
-
-
-class PairVectors:
-    """query[i] + passage[positive[i]] for the rows asked for: a pair's vector, made on demand, never all at once."""
-
-    def __init__(self, queries: RowSource, passages: RowSource, positives: np.ndarray):
-        self.queries, self.passages, self.positives = queries, passages, positives
-
-    def __len__(self) -> int:
-        return len(self.positives)
-
-    def __getitem__(self, rows: np.ndarray) -> np.ndarray:
-        queries = np.asarray(self.queries[rows], dtype=np.float32)
-        return queries + np.asarray(self.passages[self.positives[rows]], dtype=np.float32)
-
-
-def _unit_rows(vectors: RowSource, rows: np.ndarray) -> np.ndarray:
-    x = np.asarray(vectors[rows], dtype=np.float32)
-    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
 
 class _Indices(Dataset):
@@ -354,10 +274,9 @@ def make_loader(
     global_batch_size: int,
     seed: int,
     collate: Callable[[list[int]], dict],
-    topics: np.ndarray | None = None,
 ) -> DataLoader:
-    """A DataLoader of global length-grouped (and, given `topics`, topic-grouped) batches, for `accelerator.prepare`."""
-    sampler = LengthGroupedBatchSampler(lengths, global_batch_size, seed, topics=topics)
+    """A DataLoader of global length-grouped batches, for `accelerator.prepare`."""
+    sampler = LengthGroupedBatchSampler(lengths, global_batch_size, seed)
     return DataLoader(_Indices(len(lengths)), batch_sampler=sampler, collate_fn=collate)
 
 

@@ -82,11 +82,10 @@ def hub_dataset_id(source: str) -> str | None:
 
 def source_name(source: str, phase: str, settings: dict) -> str:
     """How the card names a phase's data source: its Hub id, its file name, or what the embedded data is."""
-    if source == EMBEDDED and phase == "phase1":
-        news = " and Lee news" if settings.get("embedded_lee_background") else ""
-        return f"Wikipedia{news} sentences from gensim's test data"
     if source == EMBEDDED:
-        return "Wikipedia inverse-cloze pairs from gensim's test data"
+        from distill.embedded import DESCRIPTIONS  # the demo's data, named only when it was used
+
+        return DESCRIPTIONS[phase]
     return hub_dataset_id(source) or Path(source).name
 
 
@@ -140,10 +139,9 @@ def card_data(settings: dict, figures: dict) -> SentenceTransformerModelCardData
 
     student, teacher = str(settings.get("student_model", "")), str(settings.get("teacher_model", ""))
     own = student_card_header(student) if student else {}
-    language = settings.get("card_language")
     data = SentenceTransformerModelCardData(
-        language=[code.strip() for code in language.split(",") if code.strip()] if language else own.get("language"),
-        license=settings.get("card_license") or own.get("license"),
+        language=own.get("language"),  # the student's own card's: its vocabulary is the student's
+        license=own.get("license"),  # the student's weights carry their card's license (edit the card to change)
         model_name=f"{Path(student).name} distilled from {Path(teacher).name}" if student and teacher else None,
         model_id=settings.get("push_to_hub"),
         train_datasets=train_datasets(settings, figures),

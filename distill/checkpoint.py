@@ -186,22 +186,10 @@ def load_checkpoint(accelerator: Accelerator, path: Path) -> dict[str, torch.Ten
     return load_file(str(extra_file)) if extra_file.is_file() else {}
 
 
-# What a resumed run may change: how fast, where and how precisely it computes, not what it trains on or how.
-RESUME_MAY_CHANGE = {
-    "teacher_batch_size",
-    "mixed_precision",
-    "pad_to_multiple_of",
-    "forward_chunks",
-    "gradient_checkpointing",
-    "torch_compile",
-    "torch_compile_backend",
-    "ddp_comm_hook",
-    "skip_phase1",
-    "skip_phase2",
-}
-
-
-RESUME_SECTIONS = ("model", "data", "phase1", "phase2", "training")
+# What a checkpoint shares with the run that resumes it: what it trains on and how. A resumed run may change how
+# fast, where and how precisely it computes (the performance section) and which phases it runs.
+RESUME_SECTIONS = ("model", "data", "phase1", "phase2", "training", "losses")
+RESUME_MAY_CHANGE = {"skip_phase1", "skip_phase2"}
 
 
 def run_identity(config: Config, world: int) -> dict:
@@ -242,14 +230,39 @@ def resume_point(accelerator: Accelerator, config: Config) -> Path | None:
     return None if found is None else Path(found)
 
 
-def resume_state(accelerator: Accelerator, config: Config) -> tuple[TrainingState, Path | None]:
-    """The state this run starts from, and the checkpoint it continues (None for a fresh run)."""
-    resume = resume_point(accelerator, config)
-    identity = run_identity(config, accelerator.num_processes)
-    if resume is None:
-        return TrainingState(identity=identity), None
-    state = read_state(resume, identity)
-    logger.warning(
-        f"resuming from {resume} ({state.phase}, optimizer step {state.optimizer_steps})", main_process_only=True
-    )
-    return state, resume
+@dataclass
+class Resume:
+    """Where this run starts: afresh, or from an earlier run's checkpoint and the state saved in it.
+
+    Phases that ended before the checkpoint are `finished`; the phase it was saved in continues from it
+    (`checkpoint_for`, once); every later phase starts afresh.
+    """
+
+    state: TrainingState
+    checkpoint: Path | None = None
+    taken: bool = False  # the checkpoint's phase has been handed it
+
+    @classmethod
+    def find(cls, accelerator: Accelerator, config: Config) -> Resume:
+        """A fresh state, or the state of the checkpoint `resume_point` finds (the same one on every rank)."""
+        checkpoint = resume_point(accelerator, config)
+        identity = run_identity(config, accelerator.num_processes)
+        if checkpoint is None:
+            return cls(TrainingState(identity=identity))
+        state = read_state(checkpoint, identity)
+        logger.warning(
+            f"resuming from {checkpoint} ({state.phase}, optimizer step {state.optimizer_steps})",
+            main_process_only=True,
+        )
+        return cls(state, checkpoint)
+
+    def finished(self, phase: str) -> bool:
+        """Whether `phase` ended before the checkpoint (its figures are in the checkpoint's results)."""
+        return self.checkpoint is not None and PHASES.index(phase) < PHASES.index(self.state.phase)
+
+    def checkpoint_for(self, phase: str) -> Path | None:
+        """The checkpoint `phase` continues from, the first time it is asked for; None for a phase that starts."""
+        if self.checkpoint is None or self.taken or phase != self.state.phase:
+            return None
+        self.taken = True
+        return self.checkpoint

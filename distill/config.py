@@ -28,8 +28,6 @@ from distill.files import write_atomic
 
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
 LR_SCALINGS = ("none", "linear", "sqrt")
-# Accelerate's DynamoBackend values that train on GPUs or CPUs (the rest: inference-only, other devices, or gone).
-TORCH_COMPILE_BACKENDS = ("inductor", "cudagraphs", "aot_eager", "eager")
 DDP_COMM_HOOKS = ("none", "fp16", "bf16")
 TEACHER_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Flags whose empty value is a value ("no prompt"), not "unset": unset is None, the teacher's own prompt.
@@ -97,12 +95,6 @@ class ModelConfig:
         default=True,
         help="True: learn a student-dim -> teacher-dim projection. False: Matryoshka mode, teacher truncated.",
     )
-    projection_init: str = _opt(
-        default="auto",
-        choices=("auto", "orthogonal", "least_squares"),
-        help="Projection mode: orthogonal (keeps the student's cosines), least_squares (ridge fit), "
-        "auto = orthogonal unless the student is wider than the teacher.",
-    )
     student_num_layers: int | None = _opt(
         check=OPTIONAL_POSITIVE,
         default=None,
@@ -123,12 +115,6 @@ class ModelConfig:
         choices=TEACHER_DTYPES,
         help="The teacher's weights and compute: auto = bfloat16 on GPUs that have it natively (compute capability "
         "8+), float16 on older GPUs, float32 elsewhere. Non-finite teacher vectors stop the run with an error.",
-    )
-    student_attention_dropout: float | None = _opt(
-        check=Check(lambda v: 0 <= v < 1, "a probability in [0, 1) or none"),
-        default=0.0,
-        help="Dropout on the student's attention probabilities while it trains (default 0: the fused attention "
-        "kernel: faster, less memory, the demo's quality unchanged; 'none' keeps the model's own).",
     )
     trust_remote_code: bool = _opt(
         default=False, help="Allow models that ship their own Python code to run it (off by default)."
@@ -156,11 +142,6 @@ class ModelConfig:
         default=None,
         help="MRL mode: dims the loss also trains, comma- or space-separated (default: dim, dim/2, dim/4).",
     )
-    matryoshka_basis: str = _opt(
-        default="pca",
-        choices=("pca", "none"),
-        help="MRL mode: pca = truncate the teacher in its principal axes (student rotated to match); none = as is.",
-    )
 
 
 @dataclass
@@ -184,28 +165,12 @@ class DataConfig:
         help="With --eval_data nanobeir: the datasets, comma-separated (msmarco,nq,scifact,...; default all 13).",
     )
     max_samples_phase1: int = _opt(default=100000, check=POSITIVE, help="Cap on phase-1 texts.")
-    embedded_lee_background: bool = _opt(
-        default=False,
-        help="Embedded phase-1 data: add the 2,609 Lee background news sentences after the Wikipedia ones "
-        "(the cap counts them too).",
-    )
     max_samples_phase2: int = _opt(default=500000, check=POSITIVE, help="Cap on phase-2 pairs.")
-    embedded_pairs_per_paragraph: int = _opt(
-        check=POSITIVE,
-        default=1,
-        help="Embedded phase-2 data: inverse-cloze pairs per paragraph, each with another sentence as the query.",
-    )
     max_eval_queries: int = _opt(default=1000, check=POSITIVE, help="Held-out queries used for retrieval evaluation.")
     mine_hard_negatives: int = _opt(
         check=OFF_OR_POSITIVE,
         default=0,
         help="Phase 2: per query, add N negatives the teacher ranks highest (when the data has none).",
-    )
-    topic_cluster_size: int = _opt(
-        check=Check(lambda v: v >= 0, "0 (off) or a positive number of pairs"),
-        default=0,
-        help="Phase 2: batches drawn from clusters of about N pairs the teacher embeds close together "
-        "(k-means on its vectors; harder in-batch negatives); 0: off.",
     )
 
 
@@ -220,25 +185,18 @@ class PhaseConfig:
 @dataclass
 class TrainingConfig:
     batch_size: int = _opt(default=64, check=POSITIVE, help="Batch size per process.")
-    teacher_batch_size: int | None = _opt(
-        check=OPTIONAL_POSITIVE,
-        default=None,
-        help="Texts per teacher forward pass per process (default: batch_size); on running out of GPU memory the "
-        "teacher goes on with half as many, so a too-large value costs one failed batch, not the run.",
-    )
-    gradient_accumulation_steps: int = _opt(
-        check=POSITIVE,
-        default=1,
-        help="Batches accumulated per optimizer step (an epoch's last, shorter window averages its own batches).",
-    )
-    mixed_precision: str | None = _opt(
-        default=None, choices=MIXED_PRECISIONS, help="no/fp16/bf16 (default: what the accelerate config says)."
-    )
     seed: int = _opt(
         default=42,
         # numpy's and torch's seeding take no other
         check=Check(lambda v: 0 <= v < 2**32, "an integer from 0 to 4294967295"),
         help="Seed for data order, initialisation and dropout.",
+    )
+    skip_phase1: bool = _opt(default=False, help="Skip phase 1 (general-text alignment).")
+    skip_phase2: bool = _opt(default=False, help="Skip phase 2 (query/passage distillation).")
+    gradient_accumulation_steps: int = _opt(
+        check=POSITIVE,
+        default=1,
+        help="Batches accumulated per optimizer step (an epoch's last, shorter window averages its own batches).",
     )
     lr_scaling: str = _opt(
         default="none", choices=LR_SCALINGS, help="Scale the lr with the number of processes: none/linear/sqrt."
@@ -248,18 +206,10 @@ class TrainingConfig:
     )
     weight_decay: float = _opt(default=0.01, check=NON_NEGATIVE, help="AdamW weight decay.")
     max_grad_norm: float = _opt(default=1.0, check=NON_NEGATIVE, help="Gradient clipping norm (0 disables).")
-    pad_to_multiple_of: int = _opt(
-        check=POSITIVE,
-        default=1,
-        help="Pad each training batch to a multiple of N tokens (at most max_seq_length); 8 suits tensor cores and "
-        "lowers peak RSS on CPU at some speed cost (docs/BENCHMARKS.md); 1: to the batch's longest text.",
-    )
-    forward_chunks: int = _opt(
-        check=POSITIVE,
-        default=4,
-        help="Phase 2: forward a batch's queries, and its passages, in up to N chunks of similar length, each "
-        "padded to its own longest text (a further chunk only where it saves 5 percent of the tokens); 1: one batch.",
-    )
+
+
+@dataclass
+class LossConfig:
     temperature: float = _opt(
         default=0.05, check=POSITIVE, help="Phase-2 softmax temperature of the similarity distillation."
     )
@@ -272,49 +222,33 @@ class TrainingConfig:
         help="Phase 2: each query's KL softmax also ranks the passages of the last N optimizer steps (student vectors "
         "detached, no extra forward pass): N+1 times the candidates. 0: the batch's own passages only.",
     )
-    ema_decay: float = _opt(
-        check=Check(lambda v: 0 <= v < 1, "a decay in [0, 1) such as 0.99 (0 turns averaging off)"),
-        default=0.0,
-        help="Each phase ends with an exponential moving average of its weights over its optimizer steps, started at "
-        "the phase's starting weights (which keep a share of decay**steps); 0.99 averages about the last 100 steps. "
-        "0: off, the last step's weights.",
-    )
-    phase1_kl_weight: float = _opt(
-        check=NON_NEGATIVE,
-        default=0.0,
-        help="Phase-1 weight of an in-batch similarity KL: each text's softmax over the batch's other texts.",
-    )
-    resim_weight: float = _opt(
-        check=NON_NEGATIVE,
-        default=0.0,
-        help="Phase-2 weight of Jasper/Stella's relative similarity loss: any two of the batch's query-passage "
-        "scores keep the teacher's order by resim_margin; memory grows as the global batch**4, so at most 64. 0: off.",
-    )
-    resim_margin: float = _opt(default=0.015, check=NON_NEGATIVE, help="Cosine margin of the relative similarity loss.")
-    reverse_kl_weight: float = _opt(
-        check=NON_NEGATIVE,
-        default=0.0,
-        help="Phase-2 weight of the KL of each passage's softmax over the batch's queries (the similarity matrix "
-        "read the other way). 0: off.",
-    )
-    within_kl_weight: float = _opt(
-        check=NON_NEGATIVE,
-        default=0.0,
-        help="Phase-2 weight of the KL of each query's softmax over the batch's other queries, and each passage's "
-        "over the other passages: the teacher's structure within each side. 0: off.",
-    )
-    projection_lr_scale: float = _opt(
-        check=POSITIVE,
-        default=1.0,
-        help="Projection mode: the projection's lr is the phase lr times this (its own AdamW group).",
-    )
-    projection_warmup_steps: int = _opt(
-        check=OFF_OR_POSITIVE,
-        default=0,
-        help="Projection mode: phase 1's first N optimizer steps train only the projection (backbone lr 0).",
-    )
     matryoshka_full_teacher_similarity: bool = _opt(
         default=False, help="MRL: the similarity loss at each dim targets the teacher's full-width similarities."
+    )
+
+
+@dataclass
+class PerformanceConfig:
+    mixed_precision: str | None = _opt(
+        default=None, choices=MIXED_PRECISIONS, help="no/fp16/bf16 (default: what the accelerate config says)."
+    )
+    teacher_batch_size: int | None = _opt(
+        check=OPTIONAL_POSITIVE,
+        default=None,
+        help="Texts per teacher forward pass per process (default: batch_size); on running out of GPU memory the "
+        "teacher goes on with half as many, so a too-large value costs one failed batch, not the run.",
+    )
+    pad_to_multiple_of: int = _opt(
+        check=POSITIVE,
+        default=1,
+        help="Pad each training batch to a multiple of N tokens (at most max_seq_length); 8 suits tensor cores and "
+        "lowers peak RSS on CPU at some speed cost (docs/BENCHMARKS.md); 1: to the batch's longest text.",
+    )
+    forward_chunks: int = _opt(
+        check=POSITIVE,
+        default=4,
+        help="Phase 2: forward a batch's queries, and its passages, in up to N chunks of similar length, each "
+        "padded to its own longest text (a further chunk only where it saves 5 percent of the tokens); 1: one batch.",
     )
     gradient_checkpointing: bool = _opt(
         default=False, help="Recompute the student's layer activations in the backward pass: less memory, more compute."
@@ -322,18 +256,11 @@ class TrainingConfig:
     torch_compile: bool = _opt(
         default=False, help="Compile the student with torch.compile, its repeated layers once (regional compilation)."
     )
-    torch_compile_backend: str = _opt(
-        default="inductor",
-        choices=TORCH_COMPILE_BACKENDS,
-        help="With torch_compile: the backend (inductor for GPUs; aot_eager/eager compile no kernels, to debug).",
-    )
     ddp_comm_hook: str = _opt(
         default="none",
         choices=DDP_COMM_HOOKS,
         help="Several processes: all-reduce gradients compressed to fp16/bf16 (half the traffic; bf16 needs NCCL).",
     )
-    skip_phase1: bool = _opt(default=False, help="Skip phase 1 (general-text alignment).")
-    skip_phase2: bool = _opt(default=False, help="Skip phase 2 (query/passage distillation).")
 
 
 @dataclass
@@ -349,26 +276,12 @@ class OutputConfig:
         "A failed upload is a warning that gives the command to retry; the exported folder stays.",
     )
     hub_private: bool = _opt(default=False, help="With --push_to_hub: create the repository as a private one.")
-    card_license: str | None = _opt(
-        default=None,
-        help="The license in the model card's header (an id like apache-2.0 or mit); default: the student's own "
-        "card's license. The teacher's terms may bind the student too.",
-    )
-    card_language: str | None = _opt(
-        default=None,
-        help="The model card's languages, comma-separated ISO codes like en,de; default: the student's own card's.",
-    )
     log_with: str = _opt(
         default="jsonl",
         help="Trackers, comma-separated: jsonl (<output_dir>/metrics.jsonl), any tracker Accelerate supports "
         "(tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio), or none.",
     )
     tracker_project: str = _opt(default="distill", help="The project (experiment) name the trackers log under.")
-    log_level: str = _opt(
-        default="info",
-        choices=("debug", "info", "warning", "error"),
-        help="The main process's log: info shows each stage with its seconds, cache hits and where outputs went.",
-    )
     teacher_cache_dir: str = _opt(
         check=FOLDER,
         default=str(Path(os.environ.get("DISTILL_CACHE", "~/.cache/distill")).expanduser() / "teacher"),
@@ -429,12 +342,13 @@ class Config:
     phase1: PhaseConfig = field(default_factory=lambda: PhaseConfig(epochs=1, lr=2e-5))
     phase2: PhaseConfig = field(default_factory=lambda: PhaseConfig(epochs=3, lr=5e-6))
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    losses: LossConfig = field(default_factory=LossConfig)
+    performance: PerformanceConfig = field(default_factory=PerformanceConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
-    # Not settings (no flag, not dumped): the keys the --config file set and no flag overrode, and a warning line for
-    # each of them that a flag made irrelevant and that was dropped (`drop_inherited`).
-    inherited: frozenset[str] = field(default=frozenset(), repr=False, compare=False, metadata={"section": False})
+    # Not a setting (no flag, not dumped): a warning line for each key of the --config file that a flag made
+    # irrelevant and that was dropped (`drop_inherited`).
     dropped: tuple[str, ...] = field(default=(), repr=False, compare=False, metadata={"section": False})
 
 
@@ -555,7 +469,7 @@ class _Parser(argparse.ArgumentParser):
         raise DistillError(f"{message}; {hint}")
 
 
-# --help's topics: a config section each, the training section split into its losses and its performance knobs.
+# --help's topics: one per section of the config tree, in the tree's order.
 HELP_GROUPS = {
     "model": "models",
     "data": "data",
@@ -568,22 +482,6 @@ HELP_GROUPS = {
     "checkpoint": "checkpoints and evaluation",
     "launch": "launch",
 }
-LOSS_FIELDS = (
-    "temperature cosine_weight mse_weight kl_weight kl_memory_steps phase1_kl_weight resim_weight resim_margin "
-    "reverse_kl_weight within_kl_weight matryoshka_full_teacher_similarity"
-).split()
-PERFORMANCE_FIELDS = (
-    "teacher_batch_size mixed_precision pad_to_multiple_of forward_chunks gradient_checkpointing torch_compile "
-    "torch_compile_backend ddp_comm_hook"
-).split()
-
-
-def _help_group(leaf: _Leaf) -> str:
-    if leaf.section == "training" and leaf.name in LOSS_FIELDS:
-        return "losses"
-    if leaf.section == "training" and leaf.name in PERFORMANCE_FIELDS:
-        return "performance"
-    return leaf.section
 
 
 def command_name() -> str:
@@ -607,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
         default = getattr(getattr(defaults, leaf.section), leaf.name)
         # a help text that already says its default (in words: "default: all") is not given a second one
         helptext = leaf.help if "default" in leaf.help else f"{leaf.help} (default: {default})"
-        group = groups[_help_group(leaf)]
+        group = groups[leaf.section]
         if _base_type(leaf.type) is bool:
             # `--skip_phase1` alone means True; `--skip_phase1 False` is accepted too.
             group.add_argument(f"--{leaf.flag}", nargs="?", const="True", metavar="BOOL", help=helptext)
@@ -632,7 +530,7 @@ def options_markdown() -> str:
         "defaults. This page is generated from the configuration's own help texts (`python -m distill.config`).",
     ]
     for group, title in HELP_GROUPS.items():
-        leaves = [leaf for leaf in LEAVES if _help_group(leaf) == group]
+        leaves = [leaf for leaf in LEAVES if leaf.section == group]
         lines += ["", f"## {title[0].upper()}{title[1:]}", "", "| flag | default | what it does |", "|---|---|---|"]
         for leaf in leaves:
             default = getattr(getattr(defaults, leaf.section), leaf.name)
@@ -744,7 +642,6 @@ def build_config(
         except DistillError as e:
             problems.append(str(e))
     config.dropped = tuple(drop_inherited(config, inherited or set(), typed or set()))
-    config.inherited = frozenset(inherited or ())
     problems += validate(config)
     if problems:
         raise DistillError("; ".join(problems))
@@ -793,27 +690,6 @@ def _contradictions(config: Config) -> list[Contradiction]:
     keep_best_fix = "--eval_steps N and an --eval_data" if data.eval_data == "none" else "--eval_steps N"
     return [
         Contradiction(
-            "embedded_pairs_per_paragraph",
-            ("phase2_data",),
-            data.embedded_pairs_per_paragraph > 1 and data.phase2_data != "embedded",
-            "embedded_pairs_per_paragraph: only the embedded phase-2 data is built from paragraphs; "
-            "drop the flag or pass --phase2_data embedded",
-        ),
-        Contradiction(
-            "embedded_lee_background",
-            ("phase1_data",),
-            data.embedded_lee_background and data.phase1_data != "embedded",
-            "embedded_lee_background: the Lee background sentences are added to the embedded phase-1 data only; "
-            "drop the flag or pass --phase1_data embedded",
-        ),
-        Contradiction(
-            "projection_warmup_steps",
-            ("use_projection",),
-            training.projection_warmup_steps > 0 and not config.model.use_projection,
-            "projection_warmup_steps: there is no projection to warm up in Matryoshka mode; "
-            "pass --use_projection True or drop --projection_warmup_steps",
-        ),
-        Contradiction(
             "keep_best",
             ("eval_data", "eval_steps"),
             checkpoint.keep_best and (data.eval_data == "none" or checkpoint.eval_steps == 0),
@@ -860,8 +736,8 @@ def _contradictions(config: Config) -> list[Contradiction]:
 def drop_inherited(config: Config, inherited: set[str], typed: set[str]) -> list[str]:
     """Settings from the --config file that a flag on the command line made irrelevant, reset to their defaults.
 
-    A key the file sets stops applying when a flag changes what it applies to (the demo's embedded_lee_background
-    under --phase1_data my.txt): it is dropped, not an error. Only what the user typed can contradict. Returns a
+    A key the file sets stops applying when a flag changes what it applies to (the file's --keep_best under a typed
+    --eval_data none): it is dropped, not an error. Only what the user typed can contradict. Returns a
     warning line for each key dropped.
     """
     warnings = []

@@ -21,11 +21,9 @@ import numpy as np
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
-from distill import embedded
 from distill.config import DataConfig
 from distill.errors import DistillError, first_line
-from distill.files import folder_bytes
-from distill.hub import BAR_BYTES, bytes_bar
+from distill.files import BAR_BYTES, bytes_bar, folder_bytes
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -87,35 +85,29 @@ class EvalSet:
 
 
 @dataclass
+class EvalVectors:
+    """Unit vectors of an `EvalSet`'s texts in one space (the teacher's, or the student's)."""
+
+    queries: np.ndarray
+    corpus: np.ndarray
+    sts: np.ndarray | None
+
+
+@dataclass
 class DistillData:
     phase1_texts: list[str]
     phase2: Pairs
     evaluation: EvalSet | None
 
 
-def load_data(
-    config: DataConfig,
-    seed: int,
-    need_phase1: bool = True,
-    need_phase2: bool = True,
-    inherited: frozenset[str] = frozenset(),
-) -> DistillData:
-    """Everything the run trains and evaluates on, cleaned and capped.
-
-    `inherited`: the settings a --config file gave and no flag overrode (`Config.inherited`).
-    """
-    # the file's embedded_lee_background gives way to a --max_samples_phase1 typed too small to reach the Lee texts
-    lee_optional = "embedded_lee_background" in inherited and "max_samples_phase1" not in inherited
-    phase1 = (
-        load_phase1_texts(config.phase1_data, config.max_samples_phase1, config.embedded_lee_background, lee_optional)
-        if need_phase1
-        else []
-    )
+def load_data(config: DataConfig, seed: int, need_phase1: bool = True, need_phase2: bool = True) -> DistillData:
+    """Everything the run trains and evaluates on, cleaned and capped."""
+    phase1 = load_phase1_texts(config.phase1_data, config.max_samples_phase1) if need_phase1 else []
     holdout = 0
     if config.eval_data == "auto" and config.phase2_data != EMBEDDED:
         holdout = config.max_eval_queries
     phase2 = (
-        load_pairs(config.phase2_data, config.max_samples_phase2 + holdout, seed, config.embedded_pairs_per_paragraph)
+        load_pairs(config.phase2_data, config.max_samples_phase2 + holdout, seed)
         if need_phase2 or holdout
         else Pairs([], [])
     )
@@ -124,10 +116,8 @@ def load_data(
         evaluation = embedded_eval_set(seed, config.max_eval_queries)
     elif config.eval_data == "auto":
         phase2, evaluation = hold_out(phase2, holdout, seed)
-        evaluation.sts_texts, evaluation.sts_pairs, evaluation.sts_scores = optional_lee_sts()
     elif config.eval_data.split(":", 1)[0] == NANOBEIR:
         evaluation = nanobeir_eval_set(config.eval_data, config.nanobeir_datasets)
-        evaluation.sts_texts, evaluation.sts_pairs, evaluation.sts_scores = optional_lee_sts()
     elif config.eval_data != "none":
         raise DistillError(
             f"eval_data: expected auto, embedded, nanobeir, nanobeir:DATASET or none, got {config.eval_data!r}"
@@ -139,33 +129,13 @@ def load_data(
     return DistillData(phase1, phase2, evaluation)
 
 
-def load_phase1_texts(
-    source: str, max_samples: int, lee_background: bool = False, lee_optional: bool = False
-) -> list[str]:
-    """Phase 1's texts from `source`, cleaned, at most `max_samples`.
-
-    `lee_background`: the embedded Wikipedia sentences are followed by the Lee background ones. A cap that leaves
-    no room for them is an error, or with `lee_optional` (the setting came from a config file) a warning.
-    """
+def load_phase1_texts(source: str, max_samples: int) -> list[str]:
+    """Phase 1's texts from `source`, cleaned, at most `max_samples`."""
     raw: Iterable[Any]
     if source == EMBEDDED:
-        texts = embedded.wikipedia_sentences(embedded.train_articles())
-        if lee_background:
-            wikipedia = len(_normalized_unique(texts)[0])  # counted here, cleaned once with the Lee sentences below
-            if max_samples <= wikipedia and lee_optional:
-                logger.warning(
-                    f"embedded_lee_background from --config is ignored: max_samples_phase1 {max_samples} keeps only "
-                    f"embedded Wikipedia sentences (there are {wikipedia}), which come first",
-                    main_process_only=True,
-                )
-            elif max_samples <= wikipedia:
-                raise DistillError(
-                    f"embedded_lee_background: max_samples_phase1 {max_samples} is not above the {wikipedia} "
-                    "embedded Wikipedia sentences, which come first, so no Lee background sentence would be "
-                    f"trained on; raise --max_samples_phase1 above {wikipedia} or drop --embedded_lee_background"
-                )
-            texts = texts + embedded.lee_background()
-        raw = texts
+        from distill import embedded  # the demo, loaded only when named
+
+        raw = embedded.phase1_texts()
     else:
         head, rest = _head_and_rest(source)
         column = pick_column(head, TEXT_COLUMNS, source, "phase-1 text", allow_single=True)
@@ -179,9 +149,11 @@ def load_phase1_texts(
     return texts
 
 
-def load_pairs(source: str, max_samples: int, seed: int, embedded_per_paragraph: int = 1) -> Pairs:
+def load_pairs(source: str, max_samples: int, seed: int) -> Pairs:
     if source == EMBEDDED:
-        queries, passages = embedded.inverse_cloze_pairs(embedded.train_articles(), seed, embedded_per_paragraph)
+        from distill import embedded  # the demo, loaded only when named
+
+        queries, passages = embedded.phase2_pairs(seed)
         return _clean_pairs(((q, p, []) for q, p in zip(queries, passages, strict=True)), source, 0)
     head, rest = _head_and_rest(source)
     query_col = pick_column(head, QUERY_COLUMNS, source, "phase-2 query")
@@ -538,19 +510,11 @@ def hold_out(pairs: Pairs, count: int, seed: int) -> tuple[Pairs, EvalSet]:
 
 
 def embedded_eval_set(seed: int, max_queries: int) -> EvalSet:
-    """Inverse-cloze retrieval over the held-out Wikipedia articles, plus Lee STS."""
-    queries, corpus = embedded.inverse_cloze_pairs(embedded.eval_articles(), seed)
-    chosen = sorted(random.Random(seed).sample(range(len(queries)), min(max_queries, len(queries))))
-    sts_texts, sts_pairs, sts_scores = embedded.lee_sts()
-    return EvalSet([queries[i] for i in chosen], corpus, chosen, sts_texts, sts_pairs, sts_scores)
+    """The demo's evaluation: inverse-cloze retrieval over the held-out Wikipedia articles, plus Lee STS."""
+    from distill import embedded  # the demo, loaded only when named
 
-
-def optional_lee_sts() -> tuple[list[str], list[tuple[int, int]], list[float]]:
-    """Lee STS when gensim is installed, else nothing (STS is then left out of the results)."""
-    try:
-        return embedded.lee_sts()
-    except DistillError:
-        return [], [], []
+    queries, corpus, relevant, (sts_texts, sts_pairs, sts_scores) = embedded.eval_set(seed, max_queries)
+    return EvalSet(queries, corpus, relevant, sts_texts, sts_pairs, sts_scores)
 
 
 def passage_texts(pairs: Pairs) -> tuple[list[str], np.ndarray]:

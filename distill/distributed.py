@@ -266,33 +266,19 @@ def join_group_of_this_attempt(timeout: timedelta) -> bool:
     return True
 
 
-# The relative similarity loss's (scores x scores) matrices take about 50 bytes per entry, (batch**2)**2 entries
-# (3 Matryoshka dims, forward and backward, measured on CPU: +117 MiB at 32, +823 MiB and 2.9 s a step at 64).
-RESIM_MAX_GLOBAL_BATCH = 64
-
-
 def make_accelerator(config: Config, resuming: bool = False) -> Accelerator:
     """The Accelerator of this process: precision, accumulation, torch.compile, DDP's gradient compression, trackers.
 
     `resuming`: the run continues an earlier one, so the trackers append to its logs.
     """
-    t = config.training
-    check_precision(t.mixed_precision)
+    t, performance = config.training, config.performance
+    check_precision(performance.mixed_precision)
     world = world_size()
-    global_batch = t.batch_size * world
-    if t.resim_weight and global_batch > RESIM_MAX_GLOBAL_BATCH:
-        # it compares every two of the global batch's (queries x passages) scores: (batch**2)**2 entries
-        raise DistillError(
-            f"resim_weight: the relative similarity loss compares every two of the {global_batch}x{global_batch} "
-            f"query-passage scores of the global batch (batch_size x processes), about "
-            f"{50 * global_batch**4 / 2**30:.1f} GiB a step; keep batch_size x processes <= {RESIM_MAX_GLOBAL_BATCH} "
-            "or pass --resim_weight 0"
-        )
     if world > 1 and not torch.cuda.is_available():
         # Launched as several processes on a machine without CUDA: without this, accelerate (1.x) makes each
         # process train alone; with it they form one gloo group (DistributedType.MULTI_CPU).
         os.environ["ACCELERATE_USE_CPU"] = "true"
-        if t.ddp_comm_hook == "bf16":  # PyTorch refuses the bf16 hook without CUDA and NCCL >= 2.10
+        if performance.ddp_comm_hook == "bf16":  # PyTorch refuses the bf16 hook without CUDA and NCCL >= 2.10
             raise DistillError(
                 "ddp_comm_hook bf16 needs CUDA GPUs (NCCL); these processes run on CPUs over gloo, "
                 "so drop --ddp_comm_hook or pass --ddp_comm_hook fp16"
@@ -300,18 +286,19 @@ def make_accelerator(config: Config, resuming: bool = False) -> Accelerator:
     timeout = timedelta(seconds=config.launch.ddp_timeout)
     join_group_of_this_attempt(timeout)  # only under torchelastic restarts; Accelerate forms the group otherwise
     handlers: list = [InitProcessGroupKwargs(timeout=timeout)]
-    if t.ddp_comm_hook != "none":  # registered when Accelerate wraps the model in DDP; one process has no DDP
-        handlers.append(DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType(t.ddp_comm_hook)))
+    if performance.ddp_comm_hook != "none":  # registered when Accelerate wraps the model in DDP; one process has none
+        hook = DDPCommunicationHookType(performance.ddp_comm_hook)
+        handlers.append(DistributedDataParallelKwargs(comm_hook=hook))
     names = [n.strip() for n in config.output.log_with.split(",") if n.strip() and n.strip() != "none"]
     return Accelerator(
         log_with=resolve_trackers(names, config.output.output_dir, resuming) or None,
         project_dir=config.output.output_dir,
-        mixed_precision=t.mixed_precision,
+        mixed_precision=performance.mixed_precision,
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         dataloader_config=DataLoaderConfiguration(split_batches=True),  # global batches, split over processes
         kwargs_handlers=handlers,
         # without --torch_compile, None: the dynamo settings of the accelerate config, if any
-        dynamo_plugin=compile_plugin(t.torch_compile_backend) if t.torch_compile else None,
+        dynamo_plugin=compile_plugin() if performance.torch_compile else None,
     )
 
 
@@ -329,8 +316,11 @@ def check_precision(mixed_precision: str | None) -> None:
         )
 
 
-def compile_plugin(backend: str) -> TorchDynamoPlugin:
+def compile_plugin() -> TorchDynamoPlugin:
     """torch.compile as Accelerate applies it in `prepare`: regional, with dynamic shapes.
+
+    The backend is inductor, or the one `accelerate launch --dynamo_backend` names (ACCELERATE_DYNAMO_BACKEND;
+    aot_eager and eager compile no kernels, to debug).
 
     Regional compilation compiles the repeated transformer layer once and reuses the graph for the others,
     so compiling takes seconds rather than minutes. Shapes are dynamic because padded lengths change from
@@ -338,6 +328,8 @@ def compile_plugin(backend: str) -> TorchDynamoPlugin:
     every new length recompiles until dynamo's recompile limit (8) makes the rest run uncompiled.
     With mixed_precision no on CUDA, Accelerate also turns on TF32 matmuls whenever a backend is set.
     """
+    backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower()
+    backend = "inductor" if backend == "no" else backend
     return TorchDynamoPlugin(backend=backend, use_regional_compilation=True, dynamic=True)
 
 
@@ -382,6 +374,12 @@ def progress_bar(
     return tqdm(
         total=total, initial=done, desc=description, unit=unit, disable=disable, dynamic_ncols=True, leave=leave
     )
+
+
+def writes_for_this_machine(accelerator: Accelerator) -> bool:
+    """Whether this process writes its machine's files (its local main process): the teacher cache, which each
+    machine may keep on its own disk. Every process of a machine still takes part in the collectives."""
+    return accelerator.is_local_main_process
 
 
 def on_main_process(accelerator: Accelerator, write: Callable[[], T]) -> T | None:

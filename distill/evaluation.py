@@ -25,7 +25,7 @@ from sentence_transformers.sentence_transformer.evaluation import InformationRet
 from distill.batching import TokenizedTexts
 from distill.checkpoint import TrainingState
 from distill.config import Config, to_flat_dict
-from distill.data import DistillData, EvalSet
+from distill.data import DistillData, EvalSet, EvalVectors
 from distill.export import export_models
 from distill.losses import truncate
 from distill.student import DistillationModel, encode_student
@@ -34,15 +34,6 @@ if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
 
 TOP_K = 10
-
-
-@dataclass
-class EvalVectors:
-    """Unit vectors of the evaluation texts in one space (teacher, or the student's)."""
-
-    queries: np.ndarray
-    corpus: np.ndarray
-    sts: np.ndarray | None
 
 
 @dataclass
@@ -272,7 +263,7 @@ class PhaseEvaluation:
     end (`final`); with --keep_best, the best of them is exported to <output_dir>/best/<phase>.
 
     The end-of-phase model is the one the last periodic evaluation scored when the phase ends on an evaluation
-    step (the weight average, when there is one, is what both score), so that evaluation is not made twice.
+    step, so that evaluation is not made twice.
     """
 
     def __init__(

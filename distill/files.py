@@ -7,6 +7,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from distill.errors import DistillError
 
 
@@ -36,3 +38,11 @@ def read_json(path: Path) -> dict:
 def folder_bytes(folder: str | os.PathLike) -> int:
     """Every file under `folder`, in bytes (an exported model on disk, a folder of data files)."""
     return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
+
+
+BAR_BYTES = 256 << 20  # reading less than this takes seconds: no bar
+
+
+def bytes_bar(total: int, description: str) -> tqdm:
+    """A bar in bytes with rate and time left for work over BAR_BYTES; below that a silent one."""
+    return tqdm(total=total, desc=description, unit="B", unit_scale=True, disable=total < BAR_BYTES, dynamic_ncols=True)

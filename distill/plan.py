@@ -270,7 +270,7 @@ def text_lists(config: Config, need_phase1: bool, need_phase2: bool) -> dict[str
     """{name: (phase, role, texts)} for every list the teacher encodes, read as the run reads them."""
     from distill.data import load_data, passage_texts
 
-    data = load_data(config.data, config.training.seed, need_phase1, need_phase2, config.inherited)
+    data = load_data(config.data, config.training.seed, need_phase1, need_phase2)
     lists: dict[str, tuple[str, Role, list[str]]] = {}
     if need_phase1 and data.phase1_texts:
         lists["phase1 texts"] = ("phase1", "document", data.phase1_texts)
@@ -301,15 +301,10 @@ def make_plan(
     (`phase1_texts`, `phase2_pairs`: plan for that many, with the lengths of the data read)."""
     processes = config.launch.num_processes or 1
     model, training = config.model, config.training
-    teacher_folder = config_folder(model.teacher_model, model.teacher_revision)
-    student_folder = config_folder(model.student_model, None)
-    teacher = model_shape(teacher_folder, None, model.trust_remote_code)
-    student = model_shape(student_folder, model.student_num_layers, model.trust_remote_code)
-    # phase 1's texts are encoded by phase 1's own target where phase1_teacher_model names one
-    phase1_folder = config_folder(model.phase1_teacher_model, None) if model.phase1_teacher_model else None
-    phase1_teacher = model_shape(phase1_folder, None, model.trust_remote_code) if phase1_folder else teacher
+    models = model_shapes(config)
+    teacher, student, phase1_teacher = models.teacher, models.student, models.phase1_teacher
     lists = text_lists(config, not training.skip_phase1, not training.skip_phase2)
-    measured, teacher_tokenizer = measure_texts(config, lists, teacher_folder, student_folder, phase1_folder)
+    measured, teacher_tokenizer = measure_texts(config, lists, models)
     if device.base_bytes:  # a CPU: the process's base is its RSS with the data and tokenizers a run holds, too
         device = replace(device, base_bytes=process_base_bytes())
     del lists
@@ -324,34 +319,17 @@ def make_plan(
     train_flops, steps = training_flops(config, student, measured, projection // max(teacher.dim, 1))
     train_seconds_by_phase = {phase: flops / (processes * device.student_rate) for phase, flops in train_flops.items()}
     train_seconds = sum(train_seconds_by_phase.values())
-
-    gradient_bytes = 2 if training.ddp_comm_hook in ("fp16", "bf16") else 4
-    ring = 2 * (processes - 1) / processes
-    allreduce = int(ring * (student.trainable_parameters + projection) * gradient_bytes)
-    link = device.link_bytes_per_s if machines == 1 else min(device.link_bytes_per_s, INTER_MACHINE_BYTES_PER_S)
+    allreduce, link = allreduce_bytes(config, device, student, projection, machines)
     teacher_memory, student_memory = memory(config, device, teacher, student, measured, projection)
-    if phase1_folder:  # the two are loaded one after the other: the larger peak
+    if models.phase1_folder:  # the two are loaded one after the other: the larger peak
         teacher_memory = max(teacher_memory, memory(config, device, phase1_teacher, student, measured, projection)[0])
-    checkpoint_one = (
-        (student.parameters + projection) * 4
-        + (student.trainable_parameters + projection) * 8
-        + CHECKPOINT_FIXED_BYTES
-        + CHECKPOINT_BYTES_PER_TENSOR * (student.tensors + (2 if projection else 0))
-    )
-    kept = config.checkpoint.checkpoints_total_limit + 1 if config.checkpoint.checkpoint_steps else 1
-    phases = list(dict.fromkeys(t.phase for t in measured))
+    checkpoint_one, kept = checkpoint_bytes(config, student, projection)
     return Plan(
         device=device.name,
         processes=processes,
         machines=machines,
         texts={t.name: t.count for t in measured},
-        tokens={
-            phase: {
-                "teacher": sum(t.total_teacher_tokens for t in measured if t.phase == phase),
-                "student": sum(t.total_student_tokens for t in measured if t.phase == phase),
-            }
-            for phase in phases
-        },
+        tokens=token_counts(measured),
         cache_bytes=sum(t.count * encoder(t).dim * 2 + CACHE_ENTRY_OVERHEAD for t in measured),
         teacher_flops=teacher_flops,
         teacher_seconds=teacher_seconds,
@@ -370,31 +348,93 @@ def make_plan(
             "teacher_dense": teacher.dense_parameters,
             "student": student.parameters,
             "student_dense": student.dense_parameters,
-            **({"phase1_teacher": phase1_teacher.parameters} if phase1_folder else {}),
+            **({"phase1_teacher": phase1_teacher.parameters} if models.phase1_folder else {}),
         },
         dominant="the teacher's encoding" if teacher_seconds >= train_seconds else "the student's training",
         device_memory_bytes=device.memory_bytes,
-        assumptions={
-            "teacher_flops_per_second": device.teacher_rate,
-            "student_flops_per_second": device.student_rate,
-            "rates": device.rates,
-            "interconnect_bytes_per_second": link,
-            "teacher_tokenizer": teacher_tokenizer,
-            "sampled_texts_per_list": SAMPLE,
-            "process_base_bytes": device.base_bytes,
-        },
+        assumptions=assumptions(device, link, teacher_tokenizer),
     )
 
 
+def token_counts(measured: list[TextList]) -> dict[str, dict[str, float]]:
+    """Each phase's tokens, as the teacher and as the student read them."""
+    phases = list(dict.fromkeys(t.phase for t in measured))
+    return {
+        phase: {
+            "teacher": sum(t.total_teacher_tokens for t in measured if t.phase == phase),
+            "student": sum(t.total_student_tokens for t in measured if t.phase == phase),
+        }
+        for phase in phases
+    }
+
+
+def assumptions(device: Device, link: float, teacher_tokenizer: str) -> dict[str, Any]:
+    """What the plan's figures rest on: the device's rates and link, which tokenizer counted, the sample's size."""
+    return {
+        "teacher_flops_per_second": device.teacher_rate,
+        "student_flops_per_second": device.student_rate,
+        "rates": device.rates,
+        "interconnect_bytes_per_second": link,
+        "teacher_tokenizer": teacher_tokenizer,
+        "sampled_texts_per_list": SAMPLE,
+        "process_base_bytes": device.base_bytes,
+    }
+
+
+@dataclass(frozen=True)
+class Models:
+    """The run's models as the planner reads them: their folders (configs and tokenizers) and shapes."""
+
+    teacher_folder: Path
+    student_folder: Path
+    phase1_folder: Path | None  # phase 1's own target (phase1_teacher_model), if any
+    teacher: ModelShape
+    student: ModelShape
+    phase1_teacher: ModelShape  # the teacher itself when phase 1 has no target of its own
+
+
+def model_shapes(config: Config) -> Models:
+    """The teacher's, the student's and phase 1's target's configs and shapes, with no weights loaded."""
+    model = config.model
+    teacher_folder = config_folder(model.teacher_model, model.teacher_revision)
+    student_folder = config_folder(model.student_model, None)
+    teacher = model_shape(teacher_folder, None, model.trust_remote_code)
+    student = model_shape(student_folder, model.student_num_layers, model.trust_remote_code)
+    phase1_folder = config_folder(model.phase1_teacher_model, None) if model.phase1_teacher_model else None
+    phase1_teacher = model_shape(phase1_folder, None, model.trust_remote_code) if phase1_folder else teacher
+    return Models(teacher_folder, student_folder, phase1_folder, teacher, student, phase1_teacher)
+
+
+def allreduce_bytes(
+    config: Config, device: Device, student: ModelShape, projection: int, machines: int
+) -> tuple[int, float]:
+    """(bytes each process sends and receives in one step's gradient all-reduce (a ring), the link's bytes/s)."""
+    processes = config.launch.num_processes or 1
+    gradient_bytes = 2 if config.performance.ddp_comm_hook in ("fp16", "bf16") else 4
+    ring = 2 * (processes - 1) / processes
+    allreduce = int(ring * (student.trainable_parameters + projection) * gradient_bytes)
+    link = device.link_bytes_per_s if machines == 1 else min(device.link_bytes_per_s, INTER_MACHINE_BYTES_PER_S)
+    return allreduce, link
+
+
+def checkpoint_bytes(config: Config, student: ModelShape, projection: int) -> tuple[int, int]:
+    """(bytes of one checkpoint: weights, AdamW's moments, the files' own overhead; how many are kept at once)."""
+    one = (
+        (student.parameters + projection) * 4
+        + (student.trainable_parameters + projection) * 8
+        + CHECKPOINT_FIXED_BYTES
+        + CHECKPOINT_BYTES_PER_TENSOR * (student.tensors + (2 if projection else 0))
+    )
+    kept = config.checkpoint.checkpoints_total_limit + 1 if config.checkpoint.checkpoint_steps else 1
+    return one, kept
+
+
 def measure_texts(
-    config: Config,
-    lists: dict[str, tuple[str, Role, list[str]]],
-    teacher_folder: Path,
-    student_folder: Path,
-    phase1_folder: Path | None = None,
+    config: Config, lists: dict[str, tuple[str, Role, list[str]]], models: Models
 ) -> tuple[list[TextList], str]:
     """Every text list of the run (`text_lists`) with its lengths in both tokenizers; which tokenizer counted
-    the teacher's. `phase1_folder`: phase 1's own target, whose tokenizer and prompts count phase 1's texts."""
+    the teacher's. Phase 1's own target, if any, counts phase 1's texts with its tokenizer and prompts."""
+    teacher_folder, student_folder, phase1_folder = models.teacher_folder, models.student_folder, models.phase1_folder
     import torch
 
     from distill.teacher import TeacherSpec
@@ -437,7 +477,7 @@ def training_flops(
         if not trained:
             continue
         mined = config.data.mine_hard_negatives  # other pairs' passages, forwarded again as negatives
-        passes = 4 if training.gradient_checkpointing else 3  # checkpointing recomputes the forward pass
+        passes = 4 if config.performance.gradient_checkpointing else 3  # checkpointing recomputes the forward pass
         per_epoch = sum(
             passes
             * student.forward_flops(
@@ -463,20 +503,20 @@ def memory(
     pass at the longest batch (phase 2 forwards its queries and passages together). Both on top of the device's
     base: on a CPU the process's RSS with the run's imports, data and tokenizers.
     """
-    training = config.training
+    training, performance = config.training, config.performance
     longest = max((t.student_longest for t in measured), default=0)
-    teacher_batch = training.teacher_batch_size or training.batch_size
+    teacher_batch = performance.teacher_batch_size or training.batch_size
     teacher_activations = teacher_batch * longest * (5 * teacher.width + 2 * teacher.ffn)
     teacher_bytes = teacher.parameters * device.bytes_per_param + teacher_activations * device.bytes_per_param
     texts_per_step = training.batch_size * (1 if training.skip_phase2 else 2 + config.data.mine_hard_negatives)
     per_layer = texts_per_step * longest * (10 * student.width + 2 * student.ffn)
     # with gradient checkpointing each layer keeps its input only, and one layer's activations are recomputed at once
     checkpointed = student.layers * texts_per_step * longest * student.width + per_layer
-    kept = checkpointed if training.gradient_checkpointing else student.layers * per_layer
+    kept = checkpointed if performance.gradient_checkpointing else student.layers * per_layer
     student_bytes = (
         (student.parameters + projection) * 4
         # gradients, AdamW's two moments and the parameter-sized temporary its update holds, float32
-        # (bench/adamw_memory.py: 8.0 bytes of moments and 4.3-5.1 of temporaries per parameter on a CPU)
+        # (measured on a CPU: 8.0 bytes of moments and 4.3-5.1 of temporaries per parameter)
         + (student.trainable_parameters + projection) * 16
         + kept * device.activation_bytes
     )

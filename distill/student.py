@@ -37,6 +37,9 @@ LAYER_CONTAINERS = ("encoder.layer", "encoder.layers", "layers", "transformer.la
 # DeBERTa use the first; Llama, Qwen, Mistral, DistilBERT, ModernBERT the second.
 ATTENTION_DROPOUT_FIELDS = ("attention_probs_dropout_prob", "attention_dropout")
 
+# The student trains with no dropout on its attention probabilities: the fused attention kernel (see load_student).
+TRAINING_ATTENTION_DROPOUT = 0.0
+
 
 def load_student(
     name: str,
@@ -278,7 +281,7 @@ def orthogonal_projection(student_embeddings: torch.Tensor, teacher_embeddings: 
     if student_embeddings.shape[1] > teacher_embeddings.shape[1]:
         raise DistillError(
             f"an orthogonal projection cannot map {student_embeddings.shape[1]} dimensions into the teacher's "
-            f"{teacher_embeddings.shape[1]}; pass --projection_init least_squares"
+            f"{teacher_embeddings.shape[1]}; fit a least-squares projection instead"
         )
     rotation = orthogonal_procrustes(student_embeddings, teacher_embeddings)
     scale = _rms_norm(teacher_embeddings) / _rms_norm(student_embeddings).clamp(min=1e-12)
@@ -373,17 +376,15 @@ def build_student(
         config.model.student_num_layers,
         config.model.max_seq_length,
         config.model.trust_remote_code,
-        config.model.student_attention_dropout,
+        attention_dropout=TRAINING_ATTENTION_DROPOUT,
     )
     freeze_unused_parameters(student)
-    if config.training.gradient_checkpointing:
+    if config.performance.gradient_checkpointing:
         enable_gradient_checkpointing(student)  # before Accelerate prepares (and perhaps compiles) the model
     student.to(accelerator.device)
     student_dim = embedding_dim(student)
     target = "phase-1 teacher" if config.model.phase1_teacher_model else "teacher"
     check_dimensions(student_dim, teacher_dim, config.model.use_projection, target)
-    if not config.model.use_projection and config.model.matryoshka_basis == "none":
-        return DistillationModel(student), matryoshka_dims(student_dim, config.model.matryoshka_dims), None
     texts, targets = fit_texts, fit_targets
     assert targets is not None, "a projection or basis needs the teacher's vectors of the fitting texts"
     sample = np.random.default_rng(config.training.seed).permutation(len(texts))[:PROJECTION_FIT_SAMPLES]
@@ -392,10 +393,9 @@ def build_student(
     student_vectors, _ = encode_student(accelerator, DistillationModel(student), tokens, 2 * config.training.batch_size)
     sampled_targets = np.asarray(targets[sample], dtype=np.float32)
     if config.model.use_projection:
-        init = config.model.projection_init
-        if init == "auto":
-            init = "orthogonal" if student_dim <= teacher_dim else "least_squares"
-        fit = orthogonal_projection if init == "orthogonal" else least_squares_projection
+        # an orthonormal map keeps every cosine of the student (docs/QUALITY.md); a student wider than its teacher
+        # has none, and gets the least-squares fit
+        fit = orthogonal_projection if student_dim <= teacher_dim else least_squares_projection
         projection = fit(torch.from_numpy(student_vectors), torch.from_numpy(sampled_targets))  # fitted on the CPU
         return DistillationModel(student, projection.to(accelerator.device)), None, None
     # MRL with a PCA basis: the teacher's coordinates ordered by variance, so its truncations keep the most;

@@ -30,14 +30,13 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 
 from distill.allocator import release_freed_memory
-from distill.batching import TOKENIZE_CHUNK, PairVectors, map_sharded, topic_clusters
+from distill.batching import TOKENIZE_CHUNK, map_sharded
 from distill.cache import CACHE_FORMAT, CacheWriter, Role, read_entry, touch
 from distill.config import Config, ModelConfig
-from distill.data import DistillData, passage_texts
-from distill.distributed import everyone, main_decides, progress_bar, smallest
+from distill.data import DistillData, EvalVectors, passage_texts
+from distill.distributed import everyone, main_decides, progress_bar, smallest, writes_for_this_machine
 from distill.efficiency import CostTexts, ModelCost, TeacherCosts, device_label, measure
 from distill.errors import DistillError
-from distill.evaluation import EvalVectors
 from distill.files import read_json
 from distill.hub import hub_snapshot, load_sentence_transformer, model_fingerprint, resolve_model
 
@@ -260,7 +259,7 @@ class TeacherCache:
         # would leave them waiting in a collective forever. A machine that has it writes it again.
         here = cached is not None
         if everyone(self.accelerator, here):
-            if self.accelerator.is_local_main_process:
+            if writes_for_this_machine(self.accelerator):
                 touch(entry)  # its last use, for `python -m distill.cache prune --unused_days`
             logger.info(f"teacher cache: {len(texts):,} {role} texts found in {entry}")
             return cached
@@ -274,9 +273,8 @@ class TeacherCache:
         started = time.perf_counter()
         # Only one process per machine writes; the others gather the same chunks and drop them, so no rank
         # ever holds all the vectors in memory.
-        writer = (
-            CacheWriter(entry, key, len(texts), role, self.spec) if self.accelerator.is_local_main_process else None
-        )
+        machine = writes_for_this_machine(self.accelerator)
+        writer = CacheWriter(entry, key, len(texts), role, self.spec) if machine else None
         try:
             self._encode_sharded(texts, role, writer)
         except BaseException:
@@ -325,44 +323,57 @@ class TeacherCache:
             embeddings = teacher(batch_to_device(features, teacher.device))["sentence_embedding"]
             return torch.nn.functional.normalize(embeddings.float(), p=2, dim=1)
 
-        hint = (
-            f"lower --teacher_max_seq_length (the teacher reads up to {teacher.max_seq_length} tokens) or run the "
-            "teacher on a GPU with more memory"
-        )
         ahead = tokenize_ahead(teacher.device)
         block = BLOCK_ROWS_PER_PROCESS * self.accelerator.num_processes
         done = self._texts_done(writer, len(texts), role)
         progress = progress_bar(self.accelerator, len(texts), f"teacher: {role} texts", done=done, unit="text")
         for start in range(done, len(texts), block):
             rows = np.sort(order[start : start + block])  # in text order; map_sharded shards and sorts them
-
-            def tokenize(indices: list[int], rows: np.ndarray = rows) -> dict:
-                return teacher.preprocess([texts[rows[i]] for i in indices], prompt=prompt or None)
-
-            def tokenize_and_encode(
-                indices: list[int], tokenize: Callable[[list[int]], dict] = tokenize
-            ) -> torch.Tensor:
-                return encode(tokenize(indices))
-
-            def sink(indices: np.ndarray, vectors: np.ndarray, rows: np.ndarray = rows) -> None:
-                # every rank gets every gathered chunk, so every rank raises here at the same chunk: none waits
-                check_finite(vectors, rows[indices], texts, role, self.spec)
-                if writer is not None:
-                    writer.write(rows[indices], vectors)
-
-            map_sharded(
-                self.accelerator,
-                lengths[rows],
-                self.batch_size,
-                encode if ahead else tokenize_and_encode,
-                sink=sink,
-                prepare=tokenize if ahead else None,
-                too_long_hint=hint,
-                progress=progress.update,
-            )
+            self._encode_block(teacher, texts, rows, lengths, role, encode, ahead, writer, progress.update)
             if writer is not None:
                 writer.mark(min(start + block, len(texts)))
         progress.close()
+
+    def _encode_block(
+        self,
+        teacher: SentenceTransformer,
+        texts: list[str],
+        rows: np.ndarray,
+        lengths: np.ndarray,
+        role: Role,
+        encode: Callable[[dict], torch.Tensor],
+        ahead: bool,
+        writer: CacheWriter | None,
+        progress: Callable[[int], None],
+    ) -> None:
+        """The texts at `rows`, sharded over the processes, into `writer` (tokenized ahead, in a thread, if `ahead`)."""
+        prompt = self.spec.prompt(role)
+
+        def tokenize(indices: list[int]) -> dict:
+            return teacher.preprocess([texts[rows[i]] for i in indices], prompt=prompt or None)
+
+        def tokenize_and_encode(indices: list[int]) -> torch.Tensor:
+            return encode(tokenize(indices))
+
+        def sink(indices: np.ndarray, vectors: np.ndarray) -> None:
+            # every rank gets every gathered chunk, so every rank raises here at the same chunk: none waits
+            check_finite(vectors, rows[indices], texts, role, self.spec)
+            if writer is not None:
+                writer.write(rows[indices], vectors)
+
+        map_sharded(
+            self.accelerator,
+            lengths[rows],
+            self.batch_size,
+            encode if ahead else tokenize_and_encode,
+            sink=sink,
+            prepare=tokenize if ahead else None,
+            too_long_hint=(
+                f"lower --teacher_max_seq_length (the teacher reads up to {teacher.max_seq_length} tokens) or run "
+                "the teacher on a GPU with more memory"
+            ),
+            progress=progress,
+        )
 
     def _texts_done(self, writer: CacheWriter | None, count: int, role: Role) -> int:
         """The texts every machine's writer has marked done in an interrupted encoding (non-writers pass `count`)."""
@@ -506,7 +517,6 @@ class TeacherVectors:
     queries: np.ndarray | None
     passages: np.ndarray | None  # positives, then every query's negatives
     passage_rows: np.ndarray | None  # (queries, 1 + negatives): row of each query's positive, then its negatives
-    topics: np.ndarray | None  # phase 2 with --topic_cluster_size: each pair's cluster
     evaluation: EvalVectors | None
     seconds: dict[str, float]  # teacher time spent per phase (0 on a warm cache), loading included
     loaded: bool  # whether any teacher model was loaded at all
@@ -542,7 +552,7 @@ def embed_with_teacher(
     from the figures kept beside the cache for this device, or, with neither, by loading it once on the main
     process.
     """
-    batch_size = config.training.teacher_batch_size or config.training.batch_size
+    batch_size = config.performance.teacher_batch_size or config.training.batch_size
     spec = TeacherSpec.from_config(config.model, accelerator.device)
     cache = TeacherCache(accelerator, spec, config.output.teacher_cache_dir, batch_size)
     phase1_cache = cache  # phase 1's texts go through phase 1's own target where phase1_teacher_model names one
@@ -555,18 +565,12 @@ def embed_with_teacher(
     phase1_loaded, phase1_load_seconds = (phase1_cache.loaded, phase1_cache.load_seconds) if own else (False, 0.0)
     if own:
         phase1_cache.release()
-    queries = passages = rows = topics = None
+    queries = passages = rows = None
     started = cache.seconds  # the teacher's time before phase 2: phase 1's, unless phase 1 has its own target
     if len(data.phase2):
         texts, rows = passage_texts(data.phase2)
         queries = cache.embeddings(data.phase2.queries, "query")
         passages = cache.embeddings(texts, "document")
-        if config.data.topic_cluster_size:  # a pair is its query plus its positive passage
-            size, seed, positives = config.data.topic_cluster_size, config.training.seed, rows[:, 0]
-
-            topics = main_decides(
-                accelerator, lambda: topic_clusters(PairVectors(queries, passages, positives), size, seed)
-            )
     seconds["phase2"] = cache.seconds - started
     evaluation = None
     if data.evaluation is not None:
@@ -588,7 +592,7 @@ def embed_with_teacher(
         # after the teacher is gone: on a GPU the search needs the device memory the teacher held
         rows = np.concatenate([rows, mined_negatives(accelerator, config, texts, queries, passages)], axis=1)
     load_seconds = cache.load_seconds + phase1_load_seconds
-    return TeacherVectors(phase1, queries, passages, rows, topics, evaluation, seconds, loaded, load_seconds, cost)
+    return TeacherVectors(phase1, queries, passages, rows, evaluation, seconds, loaded, load_seconds, cost)
 
 
 def mined_negatives(

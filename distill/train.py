@@ -24,13 +24,14 @@ from distill.errors import DistillError, TrainingStopped
 # in well under a second, and a process that only relaunches itself never loads sentence-transformers.
 
 
-def _set_up_logging(level: str) -> None:
-    """distill's own log lines at `level` on stderr, as bare messages; other libraries stay at warnings."""
+def _set_up_logging() -> None:
+    """distill's own log lines on stderr, as bare messages, at info (each stage with its seconds, cache hits, where
+    outputs went) or at accelerate's ACCELERATE_LOG_LEVEL; other libraries stay at warnings."""
     import logging
 
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(message)s")  # what Python prints for a warning with no logging set up
-    logging.getLogger("distill").setLevel(level.upper())
+    logging.getLogger("distill").setLevel(os.environ.get("ACCELERATE_LOG_LEVEL", "info").upper())
 
 
 def _quiet_libraries() -> None:
@@ -76,7 +77,7 @@ def train(config: Config, argv: list[str]) -> int:
     if code is not None:
         return code
     stop_with_the_launcher()
-    _set_up_logging(config.output.log_level)
+    _set_up_logging()
     _quiet_libraries()
     from distill.pipeline import run  # the models' libraries: only in a process that trains
 

@@ -15,7 +15,6 @@ from conftest import sentences
 from distill.batching import (
     MAX_CUT_POINTS,
     LengthGroupedBatchSampler,
-    PairVectors,
     Phase1Batches,
     Phase2Batches,
     TokenizedTexts,
@@ -23,7 +22,6 @@ from distill.batching import (
     length_chunks,
     make_loader,
     map_sharded,
-    topic_clusters,
 )
 from distill.errors import OutOfMemory
 
@@ -179,11 +177,9 @@ def test_sampler_yields_full_batches_of_distinct_indices(count: int, batch_size:
         assert all(isinstance(i, int) and 0 <= i < count for i in flat)
 
 
-@pytest.mark.parametrize("with_topics", [False, True])
-def test_sampler_leaves_out_random_samples_not_the_shortest(with_topics: bool) -> None:
+def test_sampler_leaves_out_random_samples_not_the_shortest() -> None:
     lengths = wide_lengths(1000, seed=7)  # 15 batches of 64 and 40 samples left out each epoch
-    topics = np.random.default_rng(7).integers(0, 8, size=1000) if with_topics else None
-    sampler = LengthGroupedBatchSampler(lengths, 64, seed=0, topics=topics)
+    sampler = LengthGroupedBatchSampler(lengths, 64, seed=0)
     seen = np.zeros(1000, dtype=int)
     for epoch in range(20):
         sampler.set_epoch(epoch)
@@ -225,104 +221,6 @@ def test_sampler_starts_every_epoch_with_its_widest_batch() -> None:
         assert widths[1:] != sorted(widths[1:], reverse=True)  # the rest stays shuffled
         firsts.append(batches[0])
     assert len({tuple(b) for b in firsts}) > 1  # which texts form the widest batch changes with the epoch
-
-
-def planted_topics(count: int, per_topic: int, dim: int = 16, noise: float = 0.05, seed: int = 0):
-    """(unit vectors, true topic of each): `count` random directions, `per_topic` noisy copies of each, shuffled."""
-    rng = np.random.default_rng(seed)
-    centres = rng.standard_normal((count, dim))
-    truth = rng.permutation(np.repeat(np.arange(count), per_topic))
-    vectors = centres[truth] / np.linalg.norm(centres[truth], axis=1, keepdims=True)
-    vectors = vectors + noise * rng.standard_normal(vectors.shape)
-    return vectors / np.linalg.norm(vectors, axis=1, keepdims=True), truth
-
-
-def test_topic_clusters_recover_planted_topics() -> None:
-    vectors, truth = planted_topics(count=12, per_topic=40)
-    labels = topic_clusters(vectors * 3.0, cluster_size=40, seed=0)  # scale does not matter: cosine
-    assert labels.shape == (480,) and len(np.unique(labels)) == 12
-    for topic in range(12):  # every planted topic is one cluster, and no cluster mixes two topics
-        assert len(np.unique(labels[truth == topic])) == 1
-    assert np.array_equal(labels, topic_clusters(vectors * 3.0, cluster_size=40, seed=0))
-
-
-class CountingRows:
-    """An array that records how many rows each read asked for, to show a caller never reads it whole."""
-
-    def __init__(self, array: np.ndarray):
-        self.array, self.reads = array, []
-
-    def __len__(self) -> int:
-        return len(self.array)
-
-    def __getitem__(self, rows: np.ndarray) -> np.ndarray:
-        self.reads.append(len(rows))
-        return self.array[rows]
-
-
-def test_topic_clusters_above_fit_rows_learn_from_a_sample_and_assign_every_row_in_chunks() -> None:
-    vectors, truth = planted_topics(count=12, per_topic=40)
-    source = CountingRows(vectors * 3.0)
-    labels = topic_clusters(source, cluster_size=40, seed=0, fit_rows=120, chunk_rows=50)
-    assert labels.shape == (480,) and len(np.unique(labels)) == 12
-    for topic in range(12):  # every planted topic is one cluster, and no cluster mixes two topics
-        assert len(np.unique(labels[truth == topic])) == 1
-    assert max(source.reads) == 120  # the fit's sample; every other read is one chunk
-    assert sum(source.reads) == 120 + 480 and source.reads[1:] == [50] * 9 + [30]
-    assert np.array_equal(labels, topic_clusters(vectors, cluster_size=40, seed=0, fit_rows=120, chunk_rows=50))
-    # a sample never smaller than 4 rows per cluster: 480 rows in clusters of 4 fit on all 480
-    assert len(np.unique(topic_clusters(vectors, cluster_size=4, seed=0, fit_rows=100))) == 120
-
-
-def test_pair_vectors_add_each_query_to_its_positive_passage_on_demand() -> None:
-    rng = np.random.default_rng(3)
-    queries, passages = rng.standard_normal((6, 4)), rng.standard_normal((9, 4)).astype(np.float16)
-    positives = np.array([8, 0, 3, 3, 5, 1])
-    pairs = PairVectors(CountingRows(queries), CountingRows(passages), positives)
-    expected = queries.astype(np.float32) + passages[positives].astype(np.float32)
-    two = pairs[np.array([4, 0])]
-    assert len(pairs) == 6 and two.dtype == np.float32
-    np.testing.assert_array_equal(two, expected[[4, 0]])
-    assert pairs.queries.reads == [2] and pairs.passages.reads == [2]
-    np.testing.assert_array_equal(  # the same clusters as on the materialised sums
-        topic_clusters(pairs, cluster_size=2, seed=0), topic_clusters(expected, cluster_size=2, seed=0)
-    )
-
-
-def test_topic_clusters_size_sets_the_number_of_clusters() -> None:
-    vectors, _ = planted_topics(count=4, per_topic=50)
-    assert len(np.unique(topic_clusters(vectors, cluster_size=20, seed=1))) == 10
-    assert len(np.unique(topic_clusters(vectors, cluster_size=1000, seed=1))) == 1
-
-
-def test_topic_sampler_batches_hold_one_topic_or_two() -> None:
-    topics = np.random.default_rng(3).permutation(np.repeat(np.arange(20), 48))  # 20 topics x 48 samples
-    lengths = wide_lengths(len(topics), seed=5)
-    sampler = LengthGroupedBatchSampler(lengths, 32, seed=1, topics=topics)
-    plain = LengthGroupedBatchSampler(lengths, 32, seed=1)
-    for epoch in range(2):
-        sampler.set_epoch(epoch)
-        plain.set_epoch(epoch)
-        batches = list(sampler)
-        assert len(batches) == len(sampler) == 30 and all(len(b) == 32 for b in batches)
-        flat = [i for b in batches for i in b]
-        assert len(set(flat)) == len(flat)
-        assert max(len(set(topics[b])) for b in batches) <= 2  # clusters end to end: a batch straddles two at most
-        assert np.mean([len(set(topics[b])) for b in plain]) > 10  # without topics a batch mixes most of them
-    sampler.set_epoch(0)
-    first = list(sampler)
-    assert first == list(LengthGroupedBatchSampler(lengths, 32, seed=1, topics=topics))
-    sampler.set_epoch(1)
-    assert list(sampler) != first  # each epoch reshuffles inside the clusters and the clusters' order
-
-
-def test_topic_sampler_keeps_lengths_grouped_inside_a_topic() -> None:
-    topics = np.repeat(np.arange(4), 256)  # clusters of 8 batches each: room to sort by length inside them
-    lengths = wide_lengths(len(topics), seed=6)
-    batches = list(LengthGroupedBatchSampler(lengths, 32, seed=0, topics=topics))
-    order = np.random.default_rng(0).permutation(len(topics))  # the same topics, batches of random members
-    same_topic = [b for t in range(4) for b in np.array_split(order[topics[order] == t], 8)]
-    assert padding_fraction(batches, lengths) < padding_fraction(same_topic, lengths) / 3
 
 
 # ---------------------------------------------------------------- collates and loader

@@ -54,8 +54,6 @@ def test_the_block_says_the_peer_trains_with_the_models_own_attention_dropout() 
     text = run.main_block(argparse.Namespace(), _found(0.0), ["(head)"])
     assert "attention dropout 0 (toolkit and floor; the toolkit's default)" in text
     assert "the model's own in the peer" in text
-    kept = run.main_block(argparse.Namespace(), _found(None), ["(head)"])  # --student_attention_dropout none
-    assert "attention dropout: the model's own in every variant" in kept
 
 
 def test_run_process_reports_the_peak_and_its_file_backed_part(tmp_path: Path) -> None:

@@ -61,12 +61,9 @@ def test_the_card_carries_sentence_transformers_header_and_distills_section(tiny
     assert student.training  # the usage example encodes in eval mode; a mid-phase export gets training back
 
 
-def test_flags_set_license_and_language_and_the_push_repo_names_the_model(tiny_models: dict[str, Path]) -> None:
+def test_the_push_repo_names_the_model(tiny_models: dict[str, Path]) -> None:
     student = SentenceTransformer(str(tiny_models["student"]), device="cpu")
-    settings = {**SETTINGS, "card_license": "mit", "card_language": "en, de", "push_to_hub": "me/small"}
-    card = model_card(student, settings, "", {"student": 32}, figures=RESULTS)
-    meta = header(card)
-    assert meta["license"] == "mit" and meta["language"] == ["en", "de"]
+    card = model_card(student, {**SETTINGS, "push_to_hub": "me/small"}, "", {"student": 32}, figures=RESULTS)
     assert 'SentenceTransformer("me/small")' in card
 
 

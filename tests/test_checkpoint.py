@@ -30,14 +30,12 @@ ENV = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
 def flags(tiny_models, tiny_data, out: Path, cache: Path, **extra) -> list[str]:
     """A run long enough to be interrupted: 4 + 3 epochs, a checkpoint every 3 optimizer steps.
 
-    Phase 2 keeps a cross-batch passage memory and both phases end with a moving average of their weights, so a
-    resume that lost either would not reach the same weights.
+    Phase 2 keeps a cross-batch passage memory, so a resume that lost it would not reach the same weights.
     """
     settings = dict(
         phase1_epochs=4,
         phase2_epochs=3,
         kl_memory_steps=2,
-        ema_decay=0.95,
         checkpoint_steps=3,
         checkpoints_total_limit=3,
         save_to_artifacts=True,

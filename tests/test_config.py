@@ -144,14 +144,7 @@ def test_unknown_yaml_key_via_build_config() -> None:
         (["--use_projection", "yes please"], r"use_projection: expected True or False"),
         (["--warmup_ratio", "1.0"], r"warmup_ratio: expected a fraction in \[0, 1\)"),
         (["--weight_decay", "-1"], r"weight_decay: expected a number >= 0"),
-        (["--resim_weight", "-1"], r"resim_weight: expected a number >= 0"),
-        (["--topic_cluster_size", "-8"], r"topic_cluster_size: expected 0 \(off\) or a positive number of pairs"),
-        (["--ema_decay", "1"], r"ema_decay: expected a decay in \[0, 1\) such as 0\.99"),
         (["--student_num_layers", "0"], r"student_num_layers: expected a positive integer or nothing"),
-        (
-            ["--student_attention_dropout", "1"],
-            r"student_attention_dropout: expected a probability in \[0, 1\) or none",
-        ),
         (["--matryoshka_dims", "384,-2"], r"matryoshka_dims: expected positive integers"),
         (["--matryoshka_dims", "64,32"], r"matryoshka_dims: projection mode trains no Matryoshka dimensions; pass"),
         (["--matryoshka_dims", "384,big"], r"matryoshka_dims: expected a list of integers"),
@@ -175,25 +168,9 @@ def test_unknown_yaml_key_via_build_config() -> None:
             ["--phase1_teacher_model", "student/source", "--use_projection", "False", "--skip_phase2"],
             r"phase1_teacher_model: .* needs both phases; drop --phase1_teacher_model or --skip_phase1 / --skip_phase2",
         ),
-        (
-            ["--torch_compile_backend", "tvm"],
-            r"torch_compile_backend: expected one of inductor/cudagraphs/aot_eager/eager, got 'tvm'",
-        ),
         (["--ddp_comm_hook", "powersgd"], r"ddp_comm_hook: expected one of none/fp16/bf16, got 'powersgd'"),
         (["--gradient_checkpointing", "sometimes"], r"gradient_checkpointing: expected True or False"),
         (["--pad_to_multiple_of", "0"], r"pad_to_multiple_of: expected a number greater than 0, got 0"),
-        (
-            ["--embedded_pairs_per_paragraph", "0"],
-            r"embedded_pairs_per_paragraph: expected a number greater than 0, got 0",
-        ),
-        (
-            ["--phase2_data", "pairs.jsonl", "--embedded_pairs_per_paragraph", "2"],
-            r"embedded_pairs_per_paragraph: only the embedded phase-2 data .*; drop the flag or pass --phase2_data",
-        ),
-        (
-            ["--phase1_data", "texts.txt", "--embedded_lee_background", "True"],
-            r"embedded_lee_background: .* embedded phase-1 data only; drop the flag or pass --phase1_data embedded",
-        ),
     ],
 )
 def test_invalid_values_are_rejected(argv: list[str], message: str) -> None:
@@ -201,26 +178,13 @@ def test_invalid_values_are_rejected(argv: list[str], message: str) -> None:
         load_config(argv)
 
 
-def test_student_attention_dropout_defaults_to_off_and_none_keeps_the_models() -> None:
-    assert load_config([]).model.student_attention_dropout == 0.0
-    assert load_config(["--student_attention_dropout", "none"]).model.student_attention_dropout is None
-    assert load_config(["--student_attention_dropout", "0.1"]).model.student_attention_dropout == 0.1
-
-
 def test_gpu_training_options() -> None:
     config = load_config([])
-    assert not config.training.torch_compile and not config.training.gradient_checkpointing
-    assert config.training.torch_compile_backend == "inductor" and config.training.ddp_comm_hook == "none"
-    argv = ["--torch_compile", "--torch_compile_backend", "aot_eager", "--gradient_checkpointing", "--ddp_comm_hook"]
-    config = load_config([*argv, "bf16"])
-    assert config.training.torch_compile and config.training.gradient_checkpointing
-    assert config.training.torch_compile_backend == "aot_eager" and config.training.ddp_comm_hook == "bf16"
-
-
-def test_compile_backends_are_accelerates() -> None:
-    from accelerate.utils import DynamoBackend
-
-    assert {b.upper() for b in config_module.TORCH_COMPILE_BACKENDS} <= {b.value for b in DynamoBackend}
+    assert not config.performance.torch_compile and not config.performance.gradient_checkpointing
+    assert config.performance.ddp_comm_hook == "none"
+    config = load_config(["--torch_compile", "--gradient_checkpointing", "--ddp_comm_hook", "bf16"])
+    assert config.performance.torch_compile and config.performance.gradient_checkpointing
+    assert config.performance.ddp_comm_hook == "bf16"
 
 
 def test_null_for_a_required_value_from_yaml(tmp_path: Path) -> None:
@@ -266,7 +230,7 @@ def test_unquoted_mixed_precision_no_in_yaml_means_no(spelling: str, tmp_path: P
     """YAML 1.1 reads `mixed_precision: no` as false; it means the choice 'no', as in accelerate's own files."""
     path = tmp_path / "c.yaml"
     path.write_text(f"mixed_precision: {spelling}\n")
-    assert load_config(["--config", str(path)]).training.mixed_precision == "no"
+    assert load_config(["--config", str(path)]).performance.mixed_precision == "no"
 
 
 def test_several_problems_reported_together(tmp_path: Path) -> None:
@@ -444,7 +408,7 @@ def test_shipped_demo_config_loads() -> None:
     assert config.model.use_projection is False
     assert config.model.student_num_layers == 3
     # phase 1 on all the embedded general text (18,372 sentences), phase 2 off (docs/QUALITY.md)
-    assert config.data.embedded_lee_background and config.data.max_samples_phase1 > 18_372
+    assert config.data.phase1_data == "embedded" and config.data.max_samples_phase1 > 18_372
     assert config.training.skip_phase2 and not config.training.skip_phase1
 
 
@@ -462,7 +426,7 @@ def test_help_lists_every_flag() -> None:
 
 def test_every_leaf_field_has_a_flag_and_help() -> None:
     sections = [name for name in config_module.SECTIONS]
-    assert sections == [f.name for f in dataclasses.fields(Config) if f.name not in ("inherited", "dropped")]
+    assert sections == [f.name for f in dataclasses.fields(Config) if f.name != "dropped"]
     count = sum(len(dataclasses.fields(getattr(Config(), name))) for name in sections)
     assert len(config_module.FLAGS) == count  # flat names are unique across sections
     for leaf in config_module.LEAVES:
@@ -513,27 +477,48 @@ def test_the_usage_line_names_the_console_script(monkeypatch):
 
 
 def test_a_config_files_setting_that_a_flag_makes_irrelevant_is_dropped_with_a_warning(tmp_path):
-    """`--config configs/demo.yaml --phase1_data my.txt` runs: the file's embedded_lee_background no longer applies."""
+    """`--config configs/demo_mpnet.yaml --skip_phase2` runs: the file's phase1_teacher_model no longer applies."""
     from distill.config import load_config
 
-    repo = Path(__file__).resolve().parents[1]
-    texts = tmp_path / "my.txt"
-    texts.write_text("one text.\nanother text.\n")
-    config = load_config(["--config", str(repo / "configs" / "demo.yaml"), "--phase1_data", str(texts)])
-    assert not config.data.embedded_lee_background and config.data.phase1_data == str(texts)
+    demo_mpnet = str(Path(__file__).resolve().parents[1] / "configs" / "demo_mpnet.yaml")
+    config = load_config(["--config", demo_mpnet, "--skip_phase2"])
+    assert config.model.phase1_teacher_model is None and config.training.skip_phase2
     assert config.dropped == (
-        "embedded_lee_background from --config is ignored: the Lee background sentences are added to the "
-        "embedded phase-1 data only",
+        "phase1_teacher_model from --config is ignored: sets phase 1's target and leaves the teacher to phase 2, "
+        "so it needs both phases",
     )
-    # typed on the command line, it is a contradiction; written in the file next to its own phase1_data, too
-    with pytest.raises(DistillError, match="embedded_lee_background: the Lee background sentences"):
-        load_config(
-            ["--config", str(repo / "configs" / "demo.yaml"), "--phase1_data", str(texts), "--embedded_lee_background"]
-        )
+    # typed on the command line, it is a contradiction; written in the file next to its own skip_phase2, too
+    with pytest.raises(DistillError, match="phase1_teacher_model: sets phase 1's target .* needs both phases"):
+        load_config(["--config", demo_mpnet, "--skip_phase2", "--phase1_teacher_model", "m"])
     own = tmp_path / "own.yaml"
-    own.write_text(f"phase1_data: {texts}\nembedded_lee_background: true\nteacher_model: t\nstudent_model: s\n")
-    with pytest.raises(DistillError, match="embedded_lee_background: the Lee background sentences"):
+    own.write_text("phase1_teacher_model: m\nuse_projection: false\nskip_phase2: true\n")
+    with pytest.raises(DistillError, match="phase1_teacher_model: sets phase 1's target"):
         load_config(["--config", str(own)])
+
+
+REMOVED = (
+    "reverse_kl_weight within_kl_weight resim_weight resim_margin topic_cluster_size projection_warmup_steps "
+    "ema_decay phase1_kl_weight embedded_lee_background embedded_pairs_per_paragraph projection_init "
+    "matryoshka_basis student_attention_dropout projection_lr_scale torch_compile_backend card_license "
+    "card_language log_level"
+).split()
+
+
+@pytest.mark.parametrize("name", REMOVED)
+def test_a_removed_option_in_a_config_file_is_the_unknown_key_error(name: str, tmp_path: Path) -> None:
+    path = tmp_path / "old.yaml"
+    path.write_text(f"{name}: 1\n")
+    with pytest.raises(DistillError, match=rf"^unknown config key '{name}'; (did you mean '\w+'\?|valid keys are)"):
+        load_config(["--config", str(path)])
+    with pytest.raises(DistillError, match=rf"^unknown argument '--{name}'"):
+        load_config([f"--{name}", "1"])
+
+
+def test_help_lists_at_most_65_options_grouped_by_the_config_trees_sections() -> None:
+    text = build_parser().format_help()
+    options = [line.split()[0] for line in text.splitlines() if line.startswith("  --")]
+    assert len(options) <= 65, len(options)
+    assert list(config_module.HELP_GROUPS) == list(config_module.SECTIONS)
 
 
 @pytest.mark.parametrize(

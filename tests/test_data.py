@@ -1,10 +1,12 @@
-"""Data loading and cleaning: local files, bad rows, column detection, hold-out, the embedded corpus."""
+"""Data loading and cleaning: local files, bad rows, column detection, hold-out, the demo's data by name."""
 
 from __future__ import annotations
 
 import csv
 import json
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +14,6 @@ import pytest
 from accelerate import PartialState
 
 import distill.data as data_module
-from distill import embedded
 from distill.config import DataConfig
 from distill.data import (
     Pairs,
@@ -24,6 +25,7 @@ from distill.data import (
     load_phase1_texts,
     read_records,
 )
+from distill.embedded import corpus
 from distill.errors import DistillError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -302,7 +304,7 @@ def test_load_data_auto_eval_holds_out_local_pairs(tmp_path: Path) -> None:
     assert len(data.evaluation.queries) == 10
     assert len(data.phase2) == 100
     assert not set(data.evaluation.queries) & set(data.phase2.queries)
-    assert len(data.evaluation.sts_pairs) == 1225  # Lee STS added when gensim is installed
+    assert data.evaluation.sts_pairs == []  # STS only with the embedded set, whatever is installed
 
 
 def test_load_data_eval_none_and_skipped_phases(tiny_data: dict[str, Path]) -> None:
@@ -321,62 +323,7 @@ def test_load_data_bad_eval_choice(tiny_data: dict[str, Path]) -> None:
         load_data(config, seed=0)
 
 
-# ---------------------------------------------------------------- embedded corpus
-
-
-def test_embedded_train_and_eval_articles_are_disjoint() -> None:
-    train, evaluation = embedded.train_articles(), embedded.eval_articles()
-    assert train and evaluation
-    train_titles, eval_titles = {a.title for a in train}, {a.title for a in evaluation}
-    assert not train_titles & eval_titles
-    assert len(train) + len(evaluation) == len(embedded.wikipedia_articles())
-    assert all(embedded.is_eval_article(a.title) for a in evaluation)
-    assert not any(embedded.is_eval_article(a.title) for a in train)
-    assert 0.05 < len(evaluation) / (len(train) + len(evaluation)) < 0.4  # about EVAL_FRACTION held out
-
-
-def test_inverse_cloze_query_not_in_its_passage() -> None:
-    queries, passages = embedded.inverse_cloze_pairs(embedded.train_articles(), seed=0)
-    assert len(queries) == len(passages) > 100
-    for query, passage in zip(queries, passages, strict=True):
-        assert len(query.split()) >= 4
-        assert query not in passage
-    # deterministic per seed
-    assert embedded.inverse_cloze_pairs(embedded.train_articles(), seed=0)[0] == queries
-    assert embedded.inverse_cloze_pairs(embedded.train_articles(), seed=1)[0] != queries
-
-
-def test_inverse_cloze_pairs_per_paragraph() -> None:
-    articles = embedded.train_articles()
-    paragraphs = [tuple(s) for a in articles for s in a.paragraphs if len(s) >= 3]
-    owner = {  # every possible (query, passage) pair -> the paragraph it comes from
-        (sentences[i], " ".join(s for j, s in enumerate(sentences) if j != i)): number
-        for number, sentences in enumerate(paragraphs)
-        for i in range(len(sentences))
-    }
-    one = embedded.inverse_cloze_pairs(articles, seed=3)
-    for per_paragraph in (2, 4):
-        queries, passages = embedded.inverse_cloze_pairs(articles, seed=3, per_paragraph=per_paragraph)
-        assert len(queries) == sum(min(per_paragraph, len(s)) for s in paragraphs)
-        # the first round is the one-per-paragraph data, in its order; the rounds after it add to it
-        assert (queries[: len(one[0])], passages[: len(one[1])]) == one
-        seen: dict[int, list[str]] = {}
-        for query, passage in zip(queries, passages, strict=True):
-            seen.setdefault(owner[(query, passage)], []).append(query)  # a KeyError: not a real pair
-        assert all(len(set(q)) == len(q) == min(per_paragraph, len(paragraphs[n])) for n, q in seen.items())
-        assert len(seen) == len(paragraphs)
-        # every paragraph appears once before any appears twice
-        firsts = {owner[pair] for pair in zip(queries[: len(paragraphs)], passages[: len(paragraphs)])}
-        assert len(firsts) == len(paragraphs)
-
-
-def test_lee_sts_shape() -> None:
-    documents, pairs, scores = embedded.lee_sts()
-    assert len(documents) == 50
-    assert len(pairs) == len(scores) == 1225
-    assert pairs[0] == (0, 1) and pairs[-1] == (48, 49)
-    assert all(i < j for i, j in pairs)
-    assert all(0.0 <= s <= 1.0 for s in scores)
+# ---------------------------------------------------------------- the demo's data, named `embedded`
 
 
 def test_embedded_phase_loaders() -> None:
@@ -384,46 +331,31 @@ def test_embedded_phase_loaders() -> None:
     assert len(texts) == 500 and len(set(texts)) == 500
     pairs = load_pairs("embedded", 10, seed=0)
     assert len(pairs) > 100 and pairs.negatives == []
-    assert len(load_pairs("embedded", 10, seed=0, embedded_per_paragraph=2)) == 2 * len(pairs)
-
-
-def test_embedded_lee_background_comes_after_the_wikipedia_sentences() -> None:
-    wikipedia = load_phase1_texts("embedded", 100_000)
-    both = load_phase1_texts("embedded", 100_000, lee_background=True)
-    lee = set(" ".join(s.split()) for s in embedded.lee_background())
-    assert both[: len(wikipedia)] == wikipedia
-    added = both[len(wikipedia) :]
-    assert len(added) > 2000 and set(added) <= lee and len(set(both)) == len(both)
-    assert len(set(added) | (lee & set(wikipedia))) == len(lee)  # every Lee sentence is in, once
-    assert load_phase1_texts("embedded", len(wikipedia) + 5, lee_background=True) == both[: len(wikipedia) + 5]
-    with pytest.raises(DistillError, match=rf"max_samples_phase1 {len(wikipedia)} is not above the {len(wikipedia)} "):
-        load_phase1_texts("embedded", len(wikipedia), lee_background=True)
-
-
-def test_a_config_files_lee_background_gives_way_to_a_typed_cap(caplog: pytest.LogCaptureFixture) -> None:
-    """`--config configs/demo.yaml --max_samples_phase1 128`: the file's Lee sentences no longer fit; a warning."""
-    from distill.config import load_config
-    from distill.data import load_data
-
-    config = load_config(["--config", str(REPO / "configs" / "demo.yaml"), "--max_samples_phase1", "128"])
-    assert config.data.embedded_lee_background and "embedded_lee_background" in config.inherited
-    with caplog.at_level("WARNING"):
-        data = load_data(config.data, 42, need_phase2=False, inherited=config.inherited)
-    assert data.phase1_texts == load_phase1_texts("embedded", 128)  # the first 128 Wikipedia sentences
-    (warning,) = [r.getMessage() for r in caplog.records if "embedded_lee_background" in r.getMessage()]
-    assert "max_samples_phase1 128 keeps only embedded Wikipedia sentences" in warning
-    with pytest.raises(DistillError, match="max_samples_phase1 128 is not above"):  # typed too: a contradiction
-        load_data(config.data, 42, need_phase2=False, inherited=config.inherited - {"embedded_lee_background"})
 
 
 def test_embedded_eval_set_points_at_the_right_passages() -> None:
     evaluation = embedded_eval_set(seed=2, max_queries=40)
-    queries, passages = embedded.inverse_cloze_pairs(embedded.eval_articles(), seed=2)
+    queries, passages = corpus.inverse_cloze_pairs(corpus.eval_articles(), seed=2)
     assert len(evaluation.queries) == 40
     assert evaluation.corpus == passages
     for query, relevant in zip(evaluation.queries, evaluation.relevant, strict=True):
         assert queries[relevant] == query
     assert len(evaluation.sts_texts) == 50 and len(evaluation.sts_pairs) == 1225
+
+
+def test_a_users_own_data_is_evaluated_without_sts_and_loads_no_demo_module(tmp_path: Path) -> None:
+    """STS comes with the embedded set only, never because gensim happens to be installed."""
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [{"query": f"question {i} about topic {i}", "passage": f"passage {i} on topic {i}."} for i in range(60)]
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code = (
+        "import sys\nfrom distill.config import DataConfig\nfrom distill.data import load_data\n"
+        f"data = load_data(DataConfig(phase2_data={str(pairs)!r}, max_eval_queries=10), 0, need_phase1=False)\n"
+        "print(len(data.evaluation.queries), len(data.evaluation.sts_texts), 'distill.embedded' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["10", "0", "False"]
 
 
 # ---------------------------------------------------------------- formats users bring
@@ -497,7 +429,7 @@ def test_a_large_data_file_is_read_under_a_bar(
 ) -> None:
     """Above the bar's threshold (256 MiB; 0 here) a text file shows a bar in bytes and the other formats one in
     rows; below it reading is silent."""
-    import distill.hub
+    import distill.files
 
     lines = [f"sentence number {i} of a long corpus" for i in range(60_000)]
     text = tmp_path / "big.txt"
@@ -506,7 +438,7 @@ def test_a_large_data_file_is_read_under_a_bar(
     rows.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines[:50]))
     assert load_phase1_texts(str(text), 100_000) == lines and load_phase1_texts(str(rows), 100) == lines[:50]
     assert capsys.readouterr().err == ""
-    monkeypatch.setattr(distill.hub, "BAR_BYTES", 0)
+    monkeypatch.setattr(distill.files, "BAR_BYTES", 0)
     monkeypatch.setattr(data_module, "BAR_BYTES", 0)
     assert load_phase1_texts(str(text), 100_000) == lines
     assert re.search(r"reading big\.txt: 100%.*\| 2\.\d+M/2\.\d+M \[", capsys.readouterr().err)

@@ -14,10 +14,9 @@ from sentence_transformers import SentenceTransformer
 
 from conftest import sentences
 from distill.batching import TokenizedTexts
-from distill.data import EvalSet
+from distill.data import EvalSet, EvalVectors
 from distill.evaluation import (
     EvalInputs,
-    EvalVectors,
     evaluate_student,
     evaluate_teacher,
     ndcg_per_query,

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+import distill.embedded.models as models
+import distill.files as files
 import distill.hub as hub
 from distill.hub import declared_dimension, model_fingerprint, resolve_model
 
@@ -17,7 +19,7 @@ def test_a_shipped_copy_stands_in_only_for_its_exact_name_without_revision(
 ) -> None:
     shipped = tmp_path / "shipped"
     monkeypatch.setattr(
-        hub, "SHIPPED", [hub.ShippedModel("sentence-transformers/all-MiniLM-L6-v2", "pip", lambda: shipped)]
+        models, "SHIPPED", [models.ShippedModel("sentence-transformers/all-MiniLM-L6-v2", "pip", lambda: shipped)]
     )
     assert resolve_model("sentence-transformers/all-MiniLM-L6-v2") == str(shipped)
     assert resolve_model("all-MiniLM-L6-v2") == str(shipped)
@@ -99,7 +101,7 @@ def test_fingerprinting_a_large_folder_shows_a_bar_and_a_warm_one_reads_nothing(
     (folder / "model.safetensors").write_bytes(b"w" * 3000)
     (folder / "config.json").write_text("{}")
     memo = tmp_path / "memo.json"
-    monkeypatch.setattr(hub, "BAR_BYTES", 1000)  # the folder counts as large
+    monkeypatch.setattr(files, "BAR_BYTES", 1000)  # the folder counts as large
     first = model_fingerprint(str(folder), memo=memo)
     bar = capsys.readouterr().err.replace("\r", "\n")
     assert "fingerprinting model" in bar and "3.00k/3.00k" in bar

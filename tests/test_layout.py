@@ -1,4 +1,5 @@
-"""The package's shape: no import cycles, rank logic in one home, every module importable on its own."""
+"""The package's shape: no import cycles, rank logic in one home, the demo apart, short functions, every module
+importable on its own."""
 
 from __future__ import annotations
 
@@ -10,37 +11,69 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "distill"
-MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+
+
+def _module_names(package: Path) -> list[str]:
+    """Every module of the package as a dotted name under it: `train`, `embedded.corpus`, `embedded` (its __init__)."""
+    names = []
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        if parts:
+            names.append(".".join(parts))
+    return names
+
+
+MODULES = _module_names(PACKAGE)
 # Only these branch on the main process: the distributed module, and the checkpoint writer, whose staging folder
 # the main process makes and renames around the `save_state` every rank takes part in.
 RANK_LOGIC = {"distributed", "checkpoint"}
-RANK_PATTERNS = ("is_main_process", "environ[", "environ.get(")
+# The demo's modules; the core imports them only inside the functions that serve the name `embedded`.
+DEMO = "embedded"
+LONGEST_FUNCTION = 60
 
 
-def _runtime_imports(module: str) -> set[str]:
-    """The distill modules `module` imports when it runs: at the top or in a function, not for type checking."""
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+def _source(module: str) -> str:
+    path = PACKAGE.joinpath(*module.split("."))
+    return (path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).read_text()
+
+
+def _imported(node: ast.AST) -> set[str]:
+    """The distill modules one import statement names (dotted, under distill)."""
+    if isinstance(node, ast.ImportFrom) and node.module:
+        if node.module == "distill":
+            return {alias.name for alias in node.names}
+        if node.module.startswith("distill."):
+            base = node.module.removeprefix("distill.")
+            return {base} | {f"{base}.{alias.name}" for alias in node.names}
+    if isinstance(node, ast.Import):
+        return {a.name.removeprefix("distill.") for a in node.names if a.name.startswith("distill.")}
+    return set()
+
+
+def _imports(module: str, top_level_only: bool = False) -> set[str]:
+    """The distill modules `module` imports: at the top, in a function, and for type checking alike (a type-only
+    import is a dependency too); with `top_level_only`, those its import runs (not in functions or TYPE_CHECKING)."""
+    tree = ast.parse(_source(module))
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if top_level_only and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             return
-        if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "distill":
-                found.update(alias.name for alias in node.names)
-            elif node.module.startswith("distill."):
-                found.add(node.module.split(".")[1])
-        elif isinstance(node, ast.Import):
-            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("distill."))
+        if top_level_only and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return
+        found.update(_imported(node))
         for child in ast.iter_child_nodes(node):
             visit(child)
 
     visit(tree)
-    return found & set(MODULES)
+    return {name for name in found if name in MODULES and name != module}
 
 
 def test_the_import_graph_has_no_cycle() -> None:
-    graph = {module: _runtime_imports(module) for module in MODULES}
+    """No cycle through any import, type-only ones included (a package's __init__ does not import its parts
+    back: `embedded.corpus` -> `embedded` is not followed, as Python resolves it without a cycle)."""
+    graph = {module: _imports(module) - {m for m in MODULES if module.startswith(f"{m}.")} for module in MODULES}
     done: set[str] = set()
 
     def walk(module: str, path: list[str]) -> None:
@@ -55,31 +88,86 @@ def test_the_import_graph_has_no_cycle() -> None:
 
     for module in MODULES:
         walk(module, [])
-    assert graph["train"] >= {"pipeline", "distributed"} and "train" not in set().union(*graph.values())
+    assert graph["train"] >= {"pipeline"} and "train" not in set().union(*graph.values())
 
 
 def test_the_cycle_finder_finds_a_cycle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The graph walk above fails on a package whose modules import each other."""
+    """The graph walk above fails on a package whose modules import each other, a type-only import included."""
     (tmp_path / "a.py").write_text("from distill.b import x\n")
     (tmp_path / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import distill.c\n")
     (tmp_path / "c.py").write_text("def f():\n    from distill import a\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path)
     monkeypatch.setattr(sys.modules[__name__], "MODULES", ["a", "b", "c"])
-    assert _runtime_imports("a") == {"b"} and _runtime_imports("b") == set() and _runtime_imports("c") == {"a"}
-    (tmp_path / "b.py").write_text("import distill.c\n")
+    assert _imports("a") == {"b"} and _imports("b") == {"c"} and _imports("c") == {"a"}
+    assert _imports("b", top_level_only=True) == set() and _imports("c", top_level_only=True) == set()
     with pytest.raises(pytest.fail.Exception, match="import cycle: a -> b -> c -> a"):
         test_the_import_graph_has_no_cycle()
 
 
+def test_the_core_imports_no_demo_module_at_top_level() -> None:
+    offenders = {
+        module: sorted(name for name in _imports(module, top_level_only=True) if name.split(".")[0] == DEMO)
+        for module in MODULES
+        if module.split(".")[0] != DEMO
+    }
+    assert not {m: names for m, names in offenders.items() if names}
+
+
+# Main-process branches: accelerate's flags, and comparisons of a rank or process index.
+RANK_FLAGS = {"is_main_process", "is_local_main_process", "is_last_process"}
+RANK_INDICES = {"process_index", "local_process_index", "rank", "local_rank", "RANK", "LOCAL_RANK"}
+
+
+def rank_branches(source: str) -> list[int]:
+    """Lines that branch on the process: read accelerate's main-process flags, compare a rank or process index,
+    or read a rank variable from the environment."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in RANK_FLAGS:
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Compare):
+            names = {n.attr if isinstance(n, ast.Attribute) else getattr(n, "id", None) for n in ast.walk(node)}
+            if names & RANK_INDICES:
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Constant) and node.value in ("RANK", "LOCAL_RANK"):
+            lines.append(node.lineno)  # os.environ["RANK"], os.environ.get("LOCAL_RANK")
+    return sorted(set(lines))
+
+
 def test_rank_logic_lives_in_the_distributed_module_and_the_checkpoint_writer() -> None:
     offenders = [
-        f"{module}.py:{number}: {line.strip()}"
+        f"{module}:{number}: {_source(module).splitlines()[number - 1].strip()}"
         for module in MODULES
         if module not in RANK_LOGIC
-        for number, line in enumerate((PACKAGE / f"{module}.py").read_text().splitlines(), 1)
-        if "is_main_process" in line or "RANK" in line and any(p in line for p in RANK_PATTERNS)
+        for number in rank_branches(_source(module))
     ]
     assert not offenders, "rank logic outside distill/distributed.py:\n" + "\n".join(offenders)
+
+
+def test_the_rank_check_sees_every_form_of_a_main_process_branch() -> None:
+    forms = [
+        "if accelerator.is_main_process:\n    pass\n",
+        "if state.is_local_main_process:\n    pass\n",
+        "write = accelerator.is_last_process and ready\n",
+        "if accelerator.process_index == 0:\n    pass\n",
+        "first = local_rank != 0\n",
+        "rank = int(os.environ['RANK'])\n",
+        "rank = os.environ.get('LOCAL_RANK', '0')\n",
+    ]
+    assert all(rank_branches(form) for form in forms)
+    assert rank_branches("chunks[accelerator.process_index] = local\n") == []  # an index, not a branch
+
+
+def test_no_function_is_longer_than_a_screen() -> None:
+    long = [
+        f"{module}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for module in MODULES
+        for node in ast.walk(ast.parse(_source(module)))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > LONGEST_FUNCTION
+    ]
+    assert not long, f"functions over {LONGEST_FUNCTION} lines:\n" + "\n".join(long)
 
 
 FRESH_IMPORTS = """

@@ -367,7 +367,7 @@ def test_orthogonal_projection_keeps_the_students_cosines() -> None:
         F.normalize(projected, dim=-1) @ F.normalize(projected, dim=-1).T, student @ student.T, atol=1e-5, rtol=0
     )
     assert all(p.requires_grad for p in projection.parameters())  # it trains like the least-squares one
-    with pytest.raises(DistillError, match="projection_init least_squares"):
+    with pytest.raises(DistillError, match="fit a least-squares projection instead"):
         orthogonal_projection(teacher, student)  # 12 -> 8 cannot keep cosines
 
 

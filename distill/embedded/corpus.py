@@ -1,4 +1,4 @@
-"""The embedded demo corpus: text that ships inside the `gensim` wheel, so the demo runs with no internet.
+"""The demo's text, which ships inside the `gensim` wheel.
 
 - Wikipedia: `enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2` (about 100 articles),
   cleaned with gensim's `extract_pages` + `filter_wiki`, cut into paragraphs and sentences.
