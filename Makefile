@@ -40,7 +40,7 @@ $(ALLOCATOR): $(STAMP)
 demo: $(ALLOCATOR)
 	$(PRELOAD) $(BIN)/python -m distill.train --config configs/demo.yaml
 
-# distill vs sentence-transformers' own recipe on the demo, side by side; writes docs/QUALITY.md (~15 min)
+# distill vs sentence-transformers' own recipe on the demo, side by side; writes runs/quality/QUALITY.md (~15 min)
 quality: $(ALLOCATOR)
 	$(PRELOAD) $(BIN)/python bench/quality.py --config configs/demo.yaml
 
@@ -60,7 +60,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 # The toolkit against sentence-transformers' recipe and a bare loop, plus --memory and --scaling
-# (about 1 h on 2 CPU cores on tcmalloc; run it on a quiet machine). Writes docs/BENCHMARKS.md.
+# (about 1.5 h on 2 CPU cores on tcmalloc; run it on a quiet machine). Writes runs/bench/BENCHMARKS.md.
 bench: $(ALLOCATOR)
 	$(BIN)/python bench/run.py --all $(BENCH_FLAGS)
 

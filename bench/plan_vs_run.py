@@ -1,6 +1,6 @@
 """The planner's figures against measured runs: teacher and training seconds, peak memory, cache and checkpoint bytes.
 
-    python bench/plan_vs_run.py --configs configs/demo.yaml,configs/demo_mpnet.yaml --write docs/BENCHMARKS.md
+    python bench/plan_vs_run.py --configs configs/demo.yaml,configs/demo_mpnet.yaml --write runs/planbench/BENCHMARKS.md
 
 For each config: `python -m distill.plan --config C --device cpu --json`, then the run itself with a fresh teacher
 cache (so the teacher encodes everything) and one checkpoint, in a process of its own with tcmalloc preloaded as

@@ -11,8 +11,9 @@ One run, one config file, the same teacher, student, texts and evaluation set fo
     student, and stops when it has trained as long as (a) did (wall-clock seconds of training, its phases together).
 
 Both students are scored by `distill.evaluation.evaluate_student` on the embedded held-out set against the
-cached teacher vectors, and the table, the machine, the versions and the command go into docs/QUALITY.md
-(between markers, one section per --name; the rest of the file is left alone).
+cached teacher vectors, and the table, the machine, the versions and the command go into a report,
+runs/quality/QUALITY.md by default (between markers, one section per --name; the rest of the file is left alone).
+docs/QUALITY.md summarises such reports.
 
     python bench/quality.py                                    # configs/demo.yaml (make quality)
     python bench/quality.py --config configs/mpnet_projection.yaml   # projection mode, mpnet teacher
@@ -39,8 +40,8 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/demo.yaml", help="distill config both sides share")
     parser.add_argument("--output_dir", default="runs/quality/bench", help="toolkit/ and peer/ go here")
-    parser.add_argument("--name", default=None, help="section name in docs/QUALITY.md (default: the config's stem)")
-    parser.add_argument("--doc", default="docs/QUALITY.md", help="where the section is written")
+    parser.add_argument("--name", default=None, help="section name in the report (default: the config's stem)")
+    parser.add_argument("--doc", default="runs/quality/QUALITY.md", help="the report the section is written into")
     parser.add_argument("--peer_lr", type=float, default=1e-4, help="peer learning rate")
     parser.add_argument("--peer_epochs", type=int, default=1, help="peer epochs over the texts (time-capped)")
     parser.add_argument(

@@ -1,6 +1,6 @@
 """Benchmark the toolkit against sentence-transformers' own recipe and a bare PyTorch floor, on one machine.
 
-    python bench/run.py                       # the comparison (median of 3 repeats) -> docs/BENCHMARKS.md
+    python bench/run.py                       # the comparison (median of 3 repeats) -> runs/bench/BENCHMARKS.md
     python bench/run.py --memory              # the toolkit's peak RSS at 4k and 40k training samples
     python bench/run.py --scaling             # wall time and peak RSS at 1k, 4k, 16k, 64k samples
     python bench/run.py --all                 # all three (what `make bench` runs)
@@ -620,7 +620,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--out",
         type=Path,
-        help="markdown to update (default docs/BENCHMARKS.md; with --quick <workdir>/quick/BENCHMARKS.md)",
+        help="the report to update (default <workdir>/BENCHMARKS.md; with --quick <workdir>/quick/BENCHMARKS.md)",
     )
     parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "bench", help="scratch folder")
     args = parser.parse_args(argv)
@@ -656,8 +656,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.scaling_sizes:
         sizes["scaling"] = tuple(int(n) for n in args.scaling_sizes.split(","))
     workdir = args.workdir / ("quick" if args.quick else "full")
-    if args.out is None:  # a --quick run never overwrites the real figures
-        args.out = workdir / "BENCHMARKS.md" if args.quick else ROOT / "docs" / "BENCHMARKS.md"
+    if args.out is None:  # beside the runs: docs/BENCHMARKS.md summarises such reports
+        args.out = workdir / "BENCHMARKS.md"
     modes = [m for m in BLOCKS if getattr(args, m)]
     blocks = {}
     try:
