@@ -137,7 +137,7 @@ def card_data(settings: dict, figures: dict) -> SentenceTransformerModelCardData
     """sentence-transformers' card data for the exported model, filled from the run and never from the Hub."""
     from sentence_transformers.sentence_transformer.model_card import SentenceTransformerModelCardData
 
-    student, teacher = str(settings.get("student_model", "")), str(settings.get("teacher_model", ""))
+    student, teacher = str(settings.get("student_model", "")), teacher_name(settings)
     own = student_card_header(student) if student else {}
     data = SentenceTransformerModelCardData(
         language=own.get("language"),  # the student's own card's: its vocabulary is the student's
@@ -197,6 +197,14 @@ def model_card(
     return f"{head}\n{section}{found}{tail}" if found else f"{generated.rstrip()}\n\n{section}"
 
 
+def teacher_name(settings: dict) -> str:
+    """The teacher as the card names it: the model or endpoint model (`openai/<model>`), else the vectors file."""
+    model, vectors = settings.get("teacher_model"), settings.get("teacher_vectors")
+    if model and vectors:
+        return f"{model}, with vectors from {Path(vectors).name}"
+    return str(model or (f"vectors from {Path(vectors).name}" if vectors else ""))
+
+
 def distill_section(
     settings: dict, table: str, dims: dict[str, int], note: str = "", matryoshka: list[int] | None = None
 ) -> str:
@@ -204,7 +212,7 @@ def distill_section(
     width = dims.get("output", dims.get("student"))
     layers = settings.get("student_num_layers")
     intro = (
-        f"Distilled with `distill` from teacher `{settings.get('teacher_model')}` into "
+        f"Distilled with `distill` from teacher `{teacher_name(settings)}` into "
         f"`{settings.get('student_model')}`"
         + (f" cut to {layers} evenly spaced layers" if layers else "")
         + f" ({dims.get('student')}-d"

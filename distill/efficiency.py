@@ -31,6 +31,7 @@ import platform
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,7 @@ from distill.errors import DistillError
 from distill.files import read_json, write_json_atomic
 
 if TYPE_CHECKING:
+    import numpy as np
     from sentence_transformers import SentenceTransformer
 
     from distill.data import DistillData
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LATENCY_REPEATS = 50  # single-query encodes; the median is reported
+ENDPOINT_LATENCY_REPEATS = 10  # single-query requests to a served teacher
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 COSTS_FILE = "costs.json"  # the teacher's measured figures, beside the teacher cache's entries
 LOAD_TOLERANCE = 1.25  # two CPU timings compare when the CPU's matmul rates before them differ by less than this
@@ -185,6 +188,32 @@ def measure(
     )
 
 
+def measure_endpoint(
+    request: Callable[[list[str]], np.ndarray], texts: CostTexts, query_prompt: str = "", document_prompt: str = ""
+) -> ModelCost:
+    """A served teacher's speed through its endpoint from this machine, as `measure` times a model: the passages in
+    requests of the batch size, then single queries (fewer: each is a round trip). Its size is not known here."""
+    request([document_prompt + t for t in texts.passages[: texts.batch_size]])  # warm-up: the connection
+    started = time.perf_counter()
+    widths = [
+        request([document_prompt + t for t in texts.passages[i : i + texts.batch_size]]).shape[1]
+        for i in range(0, len(texts.passages), texts.batch_size)
+    ]
+    seconds = time.perf_counter() - started
+    latencies = []
+    for query in texts.queries[:ENDPOINT_LATENCY_REPEATS]:
+        started = time.perf_counter()
+        request([query_prompt + query])
+        latencies.append(time.perf_counter() - started)
+    return ModelCost(
+        parameters=0,
+        dim=int(widths[0]),
+        weights_bytes=0,
+        texts_per_second=round(len(texts.passages) / max(seconds, 1e-9), 1),
+        latency_ms=round(1000 * statistics.median(latencies), 2),
+    )
+
+
 class TeacherCosts:
     """The teacher's measured figures, kept in the teacher cache folder per (teacher, device, texts)."""
 
@@ -237,6 +266,7 @@ class Efficiency:
     teacher: ModelCost | None
     dtype: str = "float32"  # what both models computed in
     exported_bytes: int | None = None  # the whole exported folder (weights, tokenizer, config)
+    teacher_note: str | None = None  # why the teacher's figures are missing or partial (an API, a vectors file)
 
     def to_dict(self) -> dict[str, Any]:
         values = asdict(self)
@@ -248,12 +278,14 @@ class Efficiency:
         """Student against teacher: throughput as a speed-up; parameters, weights and latency as fractions."""
         assert self.teacher is not None
         t, s = self.teacher, self.student
-        return {
+        ratios = {
             "throughput": round(s.texts_per_second / max(t.texts_per_second, 1e-9), 2),
             "latency": round(s.latency_ms / max(t.latency_ms, 1e-9), 2),
-            "parameters": round(s.parameters / max(t.parameters, 1), 2),
-            "weights": round(s.weights_bytes / max(t.weights_bytes, 1), 2),
         }
+        if t.parameters:  # a served teacher's size is not known here
+            ratios["parameters"] = round(s.parameters / max(t.parameters, 1), 2)
+            ratios["weights"] = round(s.weights_bytes / max(t.weights_bytes, 1), 2)
+        return ratios
 
 
 def measure_student(
@@ -262,6 +294,7 @@ def measure_student(
     teacher: ModelCost | None,
     texts: CostTexts,
     dtype: str = "float32",
+    teacher_note: str | None = None,
 ) -> Efficiency:
     """The deployable student measured on the main process (the others wait), beside the teacher's figures.
 
@@ -281,6 +314,7 @@ def measure_student(
         student=main_decides(accelerator, measured),
         teacher=teacher,
         dtype=dtype,
+        teacher_note=teacher_note,
     )
 
 
@@ -290,11 +324,17 @@ def trade_off_line(results: dict) -> str | None:
     ratios = efficiency.get("ratios")
     teacher = (results.get("teacher") or {}).get("ndcg@10")
     student = (results.get("student_after") or {}).get("ndcg@10")
-    if not ratios or not teacher or student is None:
+    if not teacher or student is None or not (ratios or efficiency.get("teacher_note")):
         return None
-    line = (
-        f"The student keeps {100 * student / teacher:.1f}% of the teacher's nDCG@10 at "
-        f"{ratios['throughput']:.1f}x its throughput and {ratios['parameters']:.2f}x its parameters, "
+    kept = f"The student keeps {100 * student / teacher:.1f}% of the teacher's nDCG@10"
+    if not ratios:
+        return f"{kept}; {efficiency['teacher_note']}."
+    if "parameters" not in ratios:  # a served teacher: its speed through its endpoint, from this machine
+        return (
+            f"{kept} at {ratios['throughput']:.1f}x the throughput of the teacher's endpoint as this machine reaches "
+            f"it ({efficiency['teacher_note']}), on {efficiency['device']}."
+        )
+    line = f"{kept} at {ratios['throughput']:.1f}x its throughput and {ratios['parameters']:.2f}x its parameters, " + (
         f"on {efficiency['device']}."
     )
     rates = [efficiency[side].get("machine_gflops") for side in ("teacher", "student")]

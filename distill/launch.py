@@ -21,7 +21,9 @@ def check_inputs(config: Config) -> None:
     from distill.checkpoint import resume_requested
     from distill.data import check_sources
     from distill.report import probe_output_dir
+    from distill.teachers import check_teacher
 
+    check_teacher(config.model)
     training = config.training
     check_sources(config.data, not training.skip_phase1, not training.skip_phase2)
     probe_output_dir(Path(config.output.output_dir).expanduser(), fresh=not resume_requested(config))

@@ -34,7 +34,7 @@ from distill.data import DistillData, load_data
 from distill.distributed import main_decides, make_accelerator
 from distill.efficiency import CostTexts, Efficiency, cost_table, measure_student, trade_off_line
 from distill.errors import OutOfMemory
-from distill.evaluation import EvalInputs, PhaseEvaluation, eval_inputs, evaluate_student, evaluate_teacher
+from distill.evaluation import EvalInputs, PhaseEvaluation, eval_inputs, evaluate_student, evaluate_teacher, score
 from distill.export import deployable_model, export_models, push_to_hub
 from distill.files import folder_bytes
 from distill.loop import CheckpointSettings, train_phase, training_memory_message
@@ -42,7 +42,8 @@ from distill.phases import Phase, check_phase_sizes, make_phases
 from distill.report import check_output_dir, prepare_output_dir, results_table, write_results
 from distill.results import PhaseFigures, RunResults
 from distill.student import DistillationModel, build_student, check_declared_dimensions, phase_bases
-from distill.teacher import TeacherVectors, embed_with_teacher, teacher_dtype
+from distill.teacher import TeacherVectors, embed_with_teacher
+from distill.teachers.local import teacher_dtype
 from distill.tracking import tracker_config
 
 logger = get_logger(__name__)
@@ -69,7 +70,7 @@ def run(config: Config) -> RunResults:
     accelerator.init_trackers(config.output.tracker_project, config=tracker_config(config))
     state = resume.state
     with stage("evaluation before training"):
-        evaluate_baseline(accelerator, config, model, state, evaluation, dims)
+        evaluate_baseline(accelerator, config, model, state, evaluation, dims, teacher)
     for phase in phases:
         if resume.finished(phase.name):
             continue
@@ -119,8 +120,10 @@ def evaluate_baseline(
     state: TrainingState,
     evaluation: EvalInputs | None,
     dims: list[int] | None,
+    teacher: TeacherVectors,
 ) -> None:
-    """The results start (a resumed run's come from its checkpoint): the teacher and the untrained student scored."""
+    """The results start (a resumed run's come from its checkpoint): the teacher (and a combined teacher's members)
+    and the untrained student scored."""
     results = state.results  # checkpoints carry the evaluations made so far
     results.mode = results.mode or ("projection" if model.projection is not None else "matryoshka")
     results.world_size = accelerator.num_processes
@@ -133,6 +136,8 @@ def evaluate_baseline(
         )
     if evaluation is not None and results.teacher is None:
         results.teacher = evaluate_teacher(evaluation)
+        members = {name: score(vectors, evaluation.eval_set) for name, vectors in teacher.members.items()}
+        results.teachers = members or None
         results.student_before = evaluate_student(accelerator, model, evaluation, 2 * config.training.batch_size, dims)
 
 
@@ -207,7 +212,7 @@ def cost_stage(
     if costs is None:
         return None
     dtype = teacher_dtype(config.model.teacher_dtype, accelerator.device)  # both models in one dtype
-    return measure_student(accelerator, deployable_model(model), teacher.cost, costs, dtype)
+    return measure_student(accelerator, deployable_model(model), teacher.cost, costs, dtype, teacher.cost_note)
 
 
 def export_stage(

@@ -183,6 +183,7 @@ class Plan:
     dominant: str
     device_memory_bytes: float = 0.0
     assumptions: dict[str, Any] = field(default_factory=dict)
+    teacher: str = ""  # a model run here: empty; else what stands behind it (an endpoint, a vectors file)
 
 
 def config_folder(name: str, revision: str | None) -> Path:
@@ -251,7 +252,11 @@ def length_stats(tokenizer: Any, texts: list[str], prompt: str, max_length: int 
     if not texts:
         return 0.0, 0.0, 0
     encoded = tokenizer(
-        [prompt + t for t in texts], truncation=max_length is not None, max_length=max_length, add_special_tokens=True
+        [prompt + t for t in texts],
+        truncation=max_length is not None,
+        max_length=max_length,
+        add_special_tokens=True,
+        verbose=False,  # untruncated (an endpoint's texts) longer than the tokenizer's own limit is no error here
     )
     lengths = [len(ids) for ids in encoded["input_ids"]]
     return sum(lengths) / len(lengths), sum(n * n for n in lengths) / len(lengths), max(lengths)
@@ -302,27 +307,22 @@ def make_plan(
     processes = config.launch.num_processes or 1
     model, training = config.model, config.training
     models = model_shapes(config)
-    teacher, student, phase1_teacher = models.teacher, models.student, models.phase1_teacher
+    student = models.student
     lists = text_lists(config, not training.skip_phase1, not training.skip_phase2)
     measured, teacher_tokenizer = measure_texts(config, lists, models)
     if device.base_bytes:  # a CPU: the process's base is its RSS with the data and tokenizers a run holds, too
         device = replace(device, base_bytes=process_base_bytes())
     del lists
     measured = scale_counts(measured, phase1_texts, phase2_pairs)
-    projection = student.dim * teacher.dim + teacher.dim if model.use_projection else 0
-
-    def encoder(text_list: TextList) -> ModelShape:
-        return phase1_teacher if text_list.phase == "phase1" else teacher
-
-    teacher_flops = sum(encoder(t).forward_flops(t.count, t.teacher_tokens, t.teacher_square) for t in measured)
-    teacher_seconds = teacher_flops / (processes * device.teacher_rate)
-    train_flops, steps = training_flops(config, student, measured, projection // max(teacher.dim, 1))
+    projection = student.dim * models.teacher_dim + models.teacher_dim if model.use_projection else 0
+    teacher_flops, teacher_seconds, teacher_memory, cache_bytes = teacher_figures(
+        config, device, models, measured, projection
+    )
+    train_flops, steps = training_flops(config, student, measured, projection // max(models.teacher_dim, 1))
     train_seconds_by_phase = {phase: flops / (processes * device.student_rate) for phase, flops in train_flops.items()}
     train_seconds = sum(train_seconds_by_phase.values())
     allreduce, link = allreduce_bytes(config, device, student, projection, machines)
-    teacher_memory, student_memory = memory(config, device, teacher, student, measured, projection)
-    if models.phase1_folder:  # the two are loaded one after the other: the larger peak
-        teacher_memory = max(teacher_memory, memory(config, device, phase1_teacher, student, measured, projection)[0])
+    student_memory = memory(config, device, models.teachers[0], student, measured, projection)[1]
     checkpoint_one, kept = checkpoint_bytes(config, student, projection)
     return Plan(
         device=device.name,
@@ -330,7 +330,7 @@ def make_plan(
         machines=machines,
         texts={t.name: t.count for t in measured},
         tokens=token_counts(measured),
-        cache_bytes=sum(t.count * encoder(t).dim * 2 + CACHE_ENTRY_OVERHEAD for t in measured),
+        cache_bytes=cache_bytes,
         teacher_flops=teacher_flops,
         teacher_seconds=teacher_seconds,
         train_flops=train_flops,
@@ -344,13 +344,14 @@ def make_plan(
         checkpoint_bytes=checkpoint_one * kept,
         checkpoint_bytes_each=checkpoint_one,
         parameters={
-            "teacher": teacher.parameters,
-            "teacher_dense": teacher.dense_parameters,
+            "teacher": sum(t.parameters for t in models.teachers),
+            "teacher_dense": sum(t.dense_parameters for t in models.teachers),
             "student": student.parameters,
             "student_dense": student.dense_parameters,
-            **({"phase1_teacher": phase1_teacher.parameters} if models.phase1_folder else {}),
+            **({"phase1_teacher": models.phase1_teacher.parameters} if models.phase1_teacher else {}),
         },
         dominant="the teacher's encoding" if teacher_seconds >= train_seconds else "the student's training",
+        teacher=remote_teacher(config),
         device_memory_bytes=device.memory_bytes,
         assumptions=assumptions(device, link, teacher_tokenizer),
     )
@@ -385,24 +386,63 @@ def assumptions(device: Device, link: float, teacher_tokenizer: str) -> dict[str
 class Models:
     """The run's models as the planner reads them: their folders (configs and tokenizers) and shapes."""
 
-    teacher_folder: Path
+    teacher_folder: Path  # whose tokenizer counts the teacher's tokens: the first teacher run here, or the student
     student_folder: Path
     phase1_folder: Path | None  # phase 1's own target (phase1_teacher_model), if any
-    teacher: ModelShape
+    teachers: list[ModelShape]  # several when combined; an endpoint or a vectors file costs nothing here
     student: ModelShape
-    phase1_teacher: ModelShape  # the teacher itself when phase 1 has no target of its own
+    phase1_teacher: ModelShape | None  # phase 1's own target
+
+    @property
+    def teacher_dim(self) -> int:
+        """The width of the vectors the student learns: the members' concatenated."""
+        return sum(t.dim for t in self.teachers)
+
+    def encoders(self, phase: str) -> list[ModelShape]:
+        """The models that encode a phase's texts: phase 1's own target, else the teacher's members."""
+        return [self.phase1_teacher] if phase == "phase1" and self.phase1_teacher else self.teachers
 
 
 def model_shapes(config: Config) -> Models:
-    """The teacher's, the student's and phase 1's target's configs and shapes, with no weights loaded."""
+    """The teachers', the student's and phase 1's target's configs and shapes, with no weights loaded."""
+    from distill.teachers import check_teacher, teacher_names
+    from distill.teachers.base import ENDPOINT_PREFIX
+
     model = config.model
-    teacher_folder = config_folder(model.teacher_model, model.teacher_revision)
+    check_teacher(model)
     student_folder = config_folder(model.student_model, None)
-    teacher = model_shape(teacher_folder, None, model.trust_remote_code)
     student = model_shape(student_folder, model.student_num_layers, model.trust_remote_code)
+    elsewhere = ModelShape(0, 0, 0, 0, 0, 0, 0, model.teacher_dimensions or student.dim)  # an endpoint, a file
+    names = teacher_names(model) or [""]
+    here = [name for name in names if name and not name.startswith(ENDPOINT_PREFIX)]
+    folders = {name: config_folder(name, model.teacher_revision) for name in here}
+    teachers = [model_shape(folders[n], None, model.trust_remote_code) if n in folders else elsewhere for n in names]
     phase1_folder = config_folder(model.phase1_teacher_model, None) if model.phase1_teacher_model else None
-    phase1_teacher = model_shape(phase1_folder, None, model.trust_remote_code) if phase1_folder else teacher
-    return Models(teacher_folder, student_folder, phase1_folder, teacher, student, phase1_teacher)
+    phase1_teacher = model_shape(phase1_folder, None, model.trust_remote_code) if phase1_folder else None
+    teacher_folder = folders[here[0]] if here else student_folder
+    return Models(teacher_folder, student_folder, phase1_folder, teachers, student, phase1_teacher)
+
+
+def teacher_figures(
+    config: Config, device: Device, models: Models, measured: list[TextList], projection: int
+) -> tuple[float, float, int, int]:
+    """(FLOPs, seconds per process, peak bytes per process, cache bytes) of every teacher encoding every list once;
+    a combined teacher's members are loaded one after the other and each is cached, besides the combination."""
+    processes = config.launch.num_processes or 1
+    flops = sum(
+        shape.forward_flops(t.count, t.teacher_tokens, t.teacher_square)
+        for t in measured
+        for shape in models.encoders(t.phase)
+    )
+    shapes = models.teachers + ([models.phase1_teacher] if models.phase1_teacher else [])
+    peak = max(memory(config, device, shape, models.student, measured, projection)[0] for shape in shapes)
+    combined = 1 if len(models.teachers) > 1 else 0
+    cache = sum(
+        t.count * 2 * (sum(s.dim for s in models.encoders(t.phase)) + combined * models.teacher_dim)
+        + CACHE_ENTRY_OVERHEAD
+        for t in measured
+    )
+    return flops, flops / (processes * device.teacher_rate), peak, cache
 
 
 def allreduce_bytes(
@@ -429,6 +469,31 @@ def checkpoint_bytes(config: Config, student: ModelShape, projection: int) -> tu
     return one, kept
 
 
+def remote_teacher(config: Config) -> str:
+    """What stands behind a teacher that runs elsewhere ("" for a model run here): an endpoint, a vectors file."""
+    from distill.teachers import local_model
+    from distill.teachers.endpoint import OPENAI_API
+
+    model = config.model
+    if local_model(model) is not None:
+        return ""
+    if model.teacher_model is not None:
+        return f"{model.teacher_model} at {model.teacher_base_url or OPENAI_API}"
+    return f"vectors from {model.teacher_vectors}"
+
+
+@dataclass(frozen=True)
+class RemoteTeacher:
+    """An endpoint's or a vectors file's prompts, as the planner reads texts: the flags' own, no length limit."""
+
+    model: Any  # ModelConfig
+    max_seq_length: int | None = None
+
+    def prompt(self, role: Role) -> str:
+        given = self.model.teacher_query_prompt if role == "query" else self.model.teacher_document_prompt
+        return given or ""
+
+
 def measure_texts(
     config: Config, lists: dict[str, tuple[str, Role, list[str]]], models: Models
 ) -> tuple[list[TextList], str]:
@@ -437,10 +502,15 @@ def measure_texts(
     teacher_folder, student_folder, phase1_folder = models.teacher_folder, models.student_folder, models.phase1_folder
     import torch
 
-    from distill.teacher import TeacherSpec
+    from distill.teachers import teacher_names
+    from distill.teachers.base import ENDPOINT_PREFIX
+    from distill.teachers.local import TeacherSpec
 
     model, training = config.model, config.training
-    spec = TeacherSpec.from_config(model, torch.device("cpu"))  # prompts and length limit, as the run's teacher
+    spec: TeacherSpec | RemoteTeacher = RemoteTeacher(model)  # an endpoint's or a file's: the prompts given
+    here = [name for name in teacher_names(model) if not name.startswith(ENDPOINT_PREFIX)]
+    if here:  # prompts and length limit as the run's (first) teacher run here reads them
+        spec = TeacherSpec.from_config(replace(model, teacher_model=here[0]), torch.device("cpu"))
     student_tokenizer = tokenizer_of(student_folder)
     if student_tokenizer is None:
         raise DistillError(f"the planner needs the student's tokenizer; {student_folder} has none")
@@ -460,7 +530,11 @@ def measure_texts(
         measured.append(TextList(name, phase, len(texts), t_mean, t_square, s_mean, s_square, s_max))
     return (
         measured,
-        "the teacher's tokenizer" if own is not None else "the student's tokenizer (the teacher's folder has none)",
+        "the student's tokenizer (the teacher runs elsewhere)"
+        if isinstance(spec, RemoteTeacher)
+        else ("the first teacher's tokenizer" if len(models.teachers) > 1 else "the teacher's tokenizer")
+        if own is not None
+        else "the student's tokenizer (the teacher's folder has none)",
     )
 
 
@@ -606,15 +680,7 @@ def plan_text(plan: Plan) -> str:
         lines.append(
             f"{'  ' + phase + ' (one epoch)':<28}{'':>12}{tokens['teacher']:>16,.0f}{tokens['student']:>16,.0f}"
         )
-    p = plan.parameters
-    lines += [
-        "",
-        f"teacher: {p['teacher'] / 1e6:,.1f}M parameters ({p['teacher_dense'] / 1e6:,.1f}M outside the embeddings); "
-        f"student: {p['student'] / 1e6:,.1f}M ({p['student_dense'] / 1e6:,.1f}M)"
-        + (f"; phase 1's target: {p['phase1_teacher'] / 1e6:,.1f}M" if "phase1_teacher" in p else ""),
-        f"teacher cache on disk: {plan.cache_bytes / 1e6:,.1f} MB (float16, one vector per text; paid once)",
-        f"teacher encoding: {plan.teacher_flops:.3g} FLOPs, {duration(plan.teacher_seconds)} per process",
-    ]
+    lines += ["", *teacher_lines(plan)]
     for phase, seconds in plan.train_seconds_by_phase.items():
         lines.append(
             f"student training, {phase}: {plan.train_flops[phase]:.3g} FLOPs, {plan.optimizer_steps[phase]:,} "
@@ -655,6 +721,30 @@ def plan_text(plan: Plan) -> str:
         f"on up to {SAMPLE:,} texts per list",
     ]
     return "\n".join(lines)
+
+
+def teacher_lines(plan: Plan) -> list[str]:
+    """The teacher's size and encoding, or for an endpoint the tokens it will be sent."""
+    p = plan.parameters
+    cache = f"teacher cache on disk: {plan.cache_bytes / 1e6:,.1f} MB (float16, one vector per text; paid once)"
+    phase1 = f"; phase 1's target: {p['phase1_teacher'] / 1e6:,.1f}M" if "phase1_teacher" in p else ""
+    if plan.teacher.startswith("vectors"):
+        return [f"teacher: {plan.teacher}; student: {p['student'] / 1e6:,.1f}M{phase1}", cache]
+    if plan.teacher:  # an endpoint: each text is sent once, whatever the epochs
+        own = "phase1_teacher" in p  # phase 1's texts then go through its own target, here
+        sent = sum(tokens["teacher"] for phase, tokens in plan.tokens.items() if not (own and phase == "phase1"))
+        return [
+            f"teacher: {plan.teacher}, nothing of it runs here; student: {p['student'] / 1e6:,.1f}M{phase1}",
+            f"tokens sent to the endpoint: {sent:,.0f} (counted with the student's tokenizer; the endpoint's own "
+            "count, which it bills, may differ)",
+            cache,
+        ]
+    return [
+        f"teacher: {p['teacher'] / 1e6:,.1f}M parameters ({p['teacher_dense'] / 1e6:,.1f}M outside the embeddings); "
+        f"student: {p['student'] / 1e6:,.1f}M ({p['student_dense'] / 1e6:,.1f}M){phase1}",
+        cache,
+        f"teacher encoding: {plan.teacher_flops:.3g} FLOPs, {duration(plan.teacher_seconds)} per process",
+    ]
 
 
 def duration(seconds: float) -> str:

@@ -33,6 +33,7 @@ class RunResults:
     heap_allocator: str = ""
     evaluations: dict[str, list[Metrics]] = field(default_factory=dict)  # --eval_steps: per phase, per step
     teacher: Metrics | None = None
+    teachers: dict[str, Metrics] | None = None  # a combined teacher's members, by name
     student_before: Metrics | None = None
     phases: dict[str, PhaseFigures] = field(default_factory=dict)
     after_phase1: Metrics | None = None  # both phases ran: the student between them

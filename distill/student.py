@@ -24,6 +24,7 @@ from distill.config import Config, ModelConfig
 from distill.distributed import main_decides, progress_bar
 from distill.errors import DistillError
 from distill.hub import declared_dimension, load_sentence_transformer, resolve_model
+from distill.teachers import check_teacher, local_model
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -461,9 +462,11 @@ def check_declared_dimensions(model_config: ModelConfig) -> None:
 
     Checked before the teacher encodes (hours, for a large one), not after.
     """
+    check_teacher(model_config)
     if model_config.use_projection:
         return
-    teacher_dim = declared_dimension(resolve_model(model_config.teacher_model, model_config.teacher_revision))
+    teacher = local_model(model_config)  # an endpoint's or a file's width is known once it answers
+    teacher_dim = declared_dimension(resolve_model(teacher, model_config.teacher_revision)) if teacher else None
     student_dim = declared_dimension(resolve_model(model_config.student_model))
     if teacher_dim and student_dim:
         check_dimensions(student_dim, teacher_dim, use_projection=False)

@@ -1,8 +1,11 @@
-"""Teacher embeddings: computed once, sharded across processes, cached on disk under a content key.
+"""The teacher stage: every text's teacher vector, computed once, sharded across processes, cached under a content key.
+
+The teacher is a source of vectors (distill/teachers: a model loaded here, an endpoint, a vectors file).
 
 A cache entry is a folder `<teacher_cache_dir>/<key>/` holding `embeddings.npy` (float16, memory-mapped
-on read) and `manifest.json`. The key hashes everything that changes the vectors: the teacher's weights
-(file hash or Hub commit), the prompt, the max length, normalisation, the compute dtype, and the texts.
+on read) and `manifest.json`. The key hashes everything that changes the vectors: what the teacher is
+(its weights' digest or Hub commit, the endpoint's model, the vectors file), what its source says changes them
+(prompt, max length, compute dtype, dimensions), and the texts.
 Entries are written to a staging folder and renamed, so a crash never leaves half an entry; an entry
 whose manifest or sizes do not match is reported and rebuilt. A run whose entries all exist loads no
 teacher at all. Encoding goes in blocks of texts, longest first, and the staging folder records after
@@ -13,16 +16,14 @@ next run with the same inputs instead of started over. The on-disk side (entries
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import hashlib
 import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,160 +31,18 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 
 from distill.allocator import release_freed_memory
-from distill.batching import TOKENIZE_CHUNK, map_sharded
+from distill.batching import map_sharded
 from distill.cache import CACHE_FORMAT, CacheWriter, Role, read_entry, touch
-from distill.config import Config, ModelConfig
-from distill.data import DistillData, EvalVectors, passage_texts
+from distill.config import Config
+from distill.data import DistillData, EvalSet, EvalVectors, passage_texts
 from distill.distributed import everyone, main_decides, progress_bar, smallest, writes_for_this_machine
-from distill.efficiency import CostTexts, ModelCost, TeacherCosts, device_label, measure
+from distill.efficiency import CostTexts, ModelCost, TeacherCosts, device_label
 from distill.errors import DistillError
-from distill.files import read_json
-from distill.hub import hub_snapshot, load_sentence_transformer, model_fingerprint, resolve_model
-
-if TYPE_CHECKING:
-    from sentence_transformers import SentenceTransformer
+from distill.teachers import Encoder, Source, make_source, members_of
 
 logger = get_logger(__name__)
 
 BLOCK_ROWS_PER_PROCESS = 16384  # texts each process encodes between two progress marks: what a kill can cost
-
-
-def teacher_dtype(choice: str, device: torch.device | str) -> str:
-    """The teacher's compute dtype: `choice`, or for "auto" what the device runs fast and safely.
-
-    bfloat16 on GPUs that have it natively (compute capability 8+: A100, H100, L4, RTX 30xx on); below that
-    torch accepts bfloat16 but emulates it in float32 arithmetic (pytorch#148322), so older GPUs (V100, T4)
-    get float16, whose overflow the encoding catches (non-finite vectors are an error). Elsewhere float32.
-    """
-    if choice != "auto":
-        return choice
-    device = torch.device(device)
-    if device.type != "cuda":
-        return "float32"
-    return "bfloat16" if torch.cuda.get_device_capability(device)[0] >= 8 else "float16"
-
-
-def load_teacher(
-    name: str,
-    device: torch.device | str,
-    revision: str | None = None,
-    trust_remote_code: bool = False,
-    dtype: str = "auto",
-) -> SentenceTransformer:
-    """Load a SentenceTransformer teacher for inference, its weights in `dtype` (see `teacher_dtype`)."""
-    return load_sentence_transformer(
-        resolve_model(name, revision),
-        device,
-        revision=revision,
-        trust_remote_code=trust_remote_code,
-        dtype=getattr(torch, teacher_dtype(dtype, device)),
-    ).eval()
-
-
-# SentenceTransformer.encode_document's order: the first of these the teacher declares is its document prompt.
-DOCUMENT_PROMPT_NAMES = ("document", "passage", "corpus")
-
-
-@dataclass(frozen=True)
-class TeacherSpec:
-    """Everything about the teacher that changes its embeddings, hence part of every cache key."""
-
-    path: str  # local folder or Hub name, as resolved
-    revision: str | None
-    max_seq_length: int | None
-    query_prompt: str
-    trust_remote_code: bool
-    compute_dtype: str
-    document_prompt: str = ""
-
-    @classmethod
-    def from_config(cls, config: ModelConfig, device: torch.device, phase1: bool = False) -> TeacherSpec:
-        """The teacher; with `phase1`, phase 1's own target where `phase1_teacher_model` names one (its own
-        prompts, its latest revision), else the teacher."""
-        dtype = teacher_dtype(config.teacher_dtype, device)
-        # Unset, the teacher reads what the student reads; the teacher's own limit only when the student's is unknown.
-        max_length = (
-            config.teacher_max_seq_length or config.max_seq_length or student_max_seq_length(config.student_model)
-        )
-        if phase1 and config.phase1_teacher_model:
-            path = resolve_model(config.phase1_teacher_model)
-            declared = teacher_prompts(path)
-            query, document = (role_prompt(declared, None, role, path) for role in ("query", "document"))
-            return cls(path, None, max_length, query, config.trust_remote_code, dtype, document)
-        path = resolve_model(config.teacher_model, config.teacher_revision)
-        declared = teacher_prompts(path, config.teacher_revision)
-        query = role_prompt(declared, config.teacher_query_prompt, "query", path)
-        document = role_prompt(declared, config.teacher_document_prompt, "document", path)
-        return cls(path, config.teacher_revision, max_length, query, config.trust_remote_code, dtype, document)
-
-    def prompt(self, role: Role) -> str:
-        """The text prepended to every text of `role` before the teacher encodes it."""
-        return self.query_prompt if role == "query" else self.document_prompt
-
-
-def role_prompt(declared: dict[str, str], given: str | None, role: Role, teacher: str) -> str:
-    """The teacher's prompt for `role`: `given` (a prompt text, or the name of one the teacher declares), else its own.
-
-    Its own is the 'query' prompt for queries, the first of DOCUMENT_PROMPT_NAMES for documents. Empty
-    prompts count as absent (sentence-transformers >= 6 saves empty 'query' and 'document' placeholders).
-    """
-    if given is not None:
-        return declared.get(given, given)  # "" (no prompt) is no prompt name
-    names = ("query",) if role == "query" else DOCUMENT_PROMPT_NAMES
-    own = next((declared[name] for name in names if declared.get(name)), "")
-    others = sorted(name for name, text in declared.items() if text and name not in ("query", *DOCUMENT_PROMPT_NAMES))
-    if role == "query" and not own and others:
-        raise DistillError(
-            f"teacher {teacher!r} declares the prompts {', '.join(others)} but none named 'query', so distill cannot "
-            f"tell which instruction its queries need; pass --teacher_query_prompt with one of these names (e.g. "
-            f"--teacher_query_prompt {others[0]}), a prompt text, or '' for none"
-        )
-    return own
-
-
-def teacher_prompts(path: str, revision: str | None = None) -> dict[str, str]:
-    """The teacher's prompts from its sentence-transformers config, read without loading its weights.
-
-    A teacher without that file has none. Offline, a Hub teacher whose file is not in the local cache is
-    taken to have none, with a warning; a teacher that cannot be found at all is a DistillError saying so.
-    """
-    if Path(path).is_dir():
-        return _prompts(read_json(Path(path) / "config_sentence_transformers.json"))
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
-
-    try:
-        return _prompts(read_json(Path(hf_hub_download(path, "config_sentence_transformers.json", revision=revision))))
-    except EntryNotFoundError as e:
-        if not isinstance(e, LocalEntryNotFoundError):  # the teacher has no such file: no prompts
-            return {}
-        problem = e  # offline and not cached: unknown, not absent
-    except (OSError, ValueError) as e:  # offline, unreachable, or no such repo/revision
-        problem = e
-    hub_snapshot(path, revision)  # the model itself cannot be found: that one error line, not a warning first
-    logger.warning(
-        f"could not read the prompts of teacher {path!r} ({type(problem).__name__}); encoding with none. Pass "
-        "--teacher_query_prompt and --teacher_document_prompt if it needs them",
-        main_process_only=True,
-    )
-    return {}
-
-
-def _prompts(sentence_transformers_config: dict) -> dict[str, str]:
-    return {name: text or "" for name, text in (sentence_transformers_config.get("prompts") or {}).items()}
-
-
-def student_max_seq_length(student_model: str) -> int | None:
-    """The student's own token limit from its sentence_bert_config.json, read without loading it; None if unknown."""
-    path = resolve_model(student_model)
-    if Path(path).is_dir():
-        return read_json(Path(path) / "sentence_bert_config.json").get("max_seq_length")
-    from huggingface_hub import hf_hub_download
-
-    try:
-        return read_json(Path(hf_hub_download(path, "sentence_bert_config.json"))).get("max_seq_length")
-    except (OSError, ValueError):  # unknown (offline, no such file): the teacher reads up to its own limit
-        return None
 
 
 def texts_fingerprint(texts: list[str]) -> str:
@@ -195,57 +54,25 @@ def texts_fingerprint(texts: list[str]) -> str:
     return digest.hexdigest()
 
 
-NON_FINITE_FIX = {
-    "float16": "float16 overflows in this teacher's activations: pass --teacher_dtype bfloat16 (GPUs of compute "
-    "capability 8+) or float32",
-    "bfloat16": "pass --teacher_dtype float32",
-    "float32": "check the teacher's weights for NaN or inf values (a broken or partly written checkpoint)",
-}
-
-
-def check_finite(vectors: np.ndarray, rows: np.ndarray, texts: list[str], role: Role, spec: TeacherSpec) -> None:
-    """A DistillError if any teacher vector (row i is the text `texts[rows[i]]`) holds NaN or inf.
-
-    Called on each gathered chunk before it is cached: a non-finite target would make the student's loss
-    NaN at the first batch that holds it, far from its cause, and stay in the cache for every later run.
-    """
-    bad = np.unique(rows[~np.isfinite(vectors).all(axis=1)])
-    if len(bad):
-        raise DistillError(
-            f"teacher {spec.path!r} computing in {spec.compute_dtype} gave non-finite vectors (NaN or inf) for "
-            f"{len(bad)} of the {len(np.unique(rows))} {role} texts of the chunk where it first happened, the first "
-            f"text #{bad[0]} ({texts[bad[0]][:60]!r}); {NON_FINITE_FIX[spec.compute_dtype]}. No cache entry was "
-            "written"
-        )
-
-
 class TeacherCache:
-    """Content-keyed teacher embeddings; the teacher is loaded only on the first cache miss."""
+    """Content-keyed teacher embeddings from one source; the source encodes only on a cache miss."""
 
-    def __init__(self, accelerator: Accelerator, spec: TeacherSpec, cache_dir: str | os.PathLike, batch_size: int):
+    def __init__(self, accelerator: Accelerator, source: Source, cache_dir: str | os.PathLike, batch_size: int):
         self.accelerator = accelerator
-        self.spec = spec
+        self.source = source
         self.cache_dir = Path(cache_dir).expanduser()
         self.batch_size = batch_size
-        self.teacher = None
         self.seconds = 0.0  # wall time spent loading the teacher and encoding
-        self.load_seconds = 0.0  # the loading part of it (import, weights, move to the device)
-        self._model_key: str | None = None
+        self._identity: str | None = None
 
     def key(self, texts: list[str], role: Role) -> str:
-        if self._model_key is None:
+        if self._identity is None:
             memo = self.cache_dir.parent / f"{self.cache_dir.name}-fingerprints.json"  # beside the entries
-            alone = self.accelerator is None or self.accelerator.num_processes == 1
-            # collective: each machine's first process reads the weights, the others find its digests
-            with contextlib.nullcontext() if alone else self.accelerator.local_main_process_first():
-                self._model_key = model_fingerprint(self.spec.path, self.spec.revision, memo=memo)
+            self._identity = self.source.identity(self.accelerator, memo)
         fields = {
             "format": CACHE_FORMAT,
-            "model": self._model_key,
-            "prompt": self.spec.prompt(role),
-            "max_seq_length": self.spec.max_seq_length,
-            "normalize": True,
-            "compute_dtype": self.spec.compute_dtype,
+            "model": self._identity,
+            **self.source.key_fields(role),
             "texts": texts_fingerprint(texts),
         }
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
@@ -274,7 +101,7 @@ class TeacherCache:
         # Only one process per machine writes; the others gather the same chunks and drop them, so no rank
         # ever holds all the vectors in memory.
         machine = writes_for_this_machine(self.accelerator)
-        writer = CacheWriter(entry, key, len(texts), role, self.spec) if machine else None
+        writer = CacheWriter(entry, key, len(texts), role, self.source) if machine else None
         try:
             self._encode_sharded(texts, role, writer)
         except BaseException:
@@ -297,81 +124,56 @@ class TeacherCache:
     def _encode_sharded(self, texts: list[str], role: Role, writer: CacheWriter | None) -> None:
         """Each process encodes its share of the texts, block by block, longest first, into `writer`.
 
-        Per batch this does what `SentenceTransformer.encode` does (`preprocess` with the prompt, forward,
-        normalise), but texts are sorted by their exact token count (a tokenizer pass first), not by
-        characters as `encode` sorts: by characters, batches of the benchmark's texts carry 32% (8,000 texts,
-        batch 32) to 43% (40,000, batch 256) padding, against 0.8-1.2% by tokens, and a large teacher pays
-        for every padded token. On a GPU the next batch is tokenized in a background thread while this one
-        runs, since a small teacher otherwise waits for the tokenizer between batches; on a CPU the forward
-        pass already keeps every core busy. A batch that runs the GPU out of memory is encoded in halves, and
-        so is every later one of its block (`map_sharded`): too large a --teacher_batch_size costs one failed
-        batch per block.
-
-        The texts, longest first, are cut into blocks of BLOCK_ROWS_PER_PROCESS per process; after each block
-        the writers mark how many texts of that order are done. A restart begins after the texts every
-        machine's writer has marked, whatever the number of processes now.
+        A batch that runs the GPU out of memory is encoded in halves, and so is every later one of its block
+        (`map_sharded`): too large a --teacher_batch_size costs one failed batch per block. The texts, longest
+        first, are cut into blocks of BLOCK_ROWS_PER_PROCESS per process; after each block the writers mark how
+        many texts of that order are done. A restart begins after the texts every machine's writer has marked,
+        whatever the number of processes now.
         """
-        teacher = self._load()  # first, so that importing sentence-transformers counts as loading
-        from sentence_transformers.util import batch_to_device
-
-        prompt = self.spec.prompt(role)
-        lengths = np.asarray(token_lengths(teacher, [prompt + t for t in texts], teacher.max_seq_length))
-        order = np.argsort(-lengths, kind="stable")  # the longest block first: a size that fits it fits the rest
-
-        @torch.inference_mode()
-        def encode(features: dict) -> torch.Tensor:
-            embeddings = teacher(batch_to_device(features, teacher.device))["sentence_embedding"]
-            return torch.nn.functional.normalize(embeddings.float(), p=2, dim=1)
-
-        ahead = tokenize_ahead(teacher.device)
+        encoder = self.source.encoder(self.accelerator, texts, role)
+        order = np.argsort(-encoder.lengths, kind="stable")  # longest first: a batch size that fits it fits the rest
         block = BLOCK_ROWS_PER_PROCESS * self.accelerator.num_processes
         done = self._texts_done(writer, len(texts), role)
         progress = progress_bar(self.accelerator, len(texts), f"teacher: {role} texts", done=done, unit="text")
         for start in range(done, len(texts), block):
             rows = np.sort(order[start : start + block])  # in text order; map_sharded shards and sorts them
-            self._encode_block(teacher, texts, rows, lengths, role, encode, ahead, writer, progress.update)
+            self._encode_block(encoder, rows, writer, progress.update)
             if writer is not None:
                 writer.mark(min(start + block, len(texts)))
         progress.close()
+        if encoder.done is not None:
+            encoder.done()
 
     def _encode_block(
-        self,
-        teacher: SentenceTransformer,
-        texts: list[str],
-        rows: np.ndarray,
-        lengths: np.ndarray,
-        role: Role,
-        encode: Callable[[dict], torch.Tensor],
-        ahead: bool,
-        writer: CacheWriter | None,
-        progress: Callable[[int], None],
+        self, encoder: Encoder, rows: np.ndarray, writer: CacheWriter | None, progress: Callable[[int], None]
     ) -> None:
-        """The texts at `rows`, sharded over the processes, into `writer` (tokenized ahead, in a thread, if `ahead`)."""
-        prompt = self.spec.prompt(role)
+        """The texts at `rows`, sharded over the processes, into `writer` (prepared ahead, in a thread, if it can)."""
 
-        def tokenize(indices: list[int]) -> dict:
-            return teacher.preprocess([texts[rows[i]] for i in indices], prompt=prompt or None)
+        def at_rows(indices: list[int]) -> list[int]:
+            return [int(rows[i]) for i in indices]
 
-        def tokenize_and_encode(indices: list[int]) -> torch.Tensor:
-            return encode(tokenize(indices))
+        def encode(batch: object) -> torch.Tensor:
+            return encoder.encode(batch if encoder.prepare is not None else at_rows(batch))  # type: ignore[arg-type]
+
+        def prepare(indices: list[int]) -> object:
+            assert encoder.prepare is not None
+            return encoder.prepare(at_rows(indices))
 
         def sink(indices: np.ndarray, vectors: np.ndarray) -> None:
             # every rank gets every gathered chunk, so every rank raises here at the same chunk: none waits
-            check_finite(vectors, rows[indices], texts, role, self.spec)
+            if encoder.check is not None:
+                encoder.check(vectors, rows[indices])
             if writer is not None:
                 writer.write(rows[indices], vectors)
 
         map_sharded(
             self.accelerator,
-            lengths[rows],
-            self.batch_size,
-            encode if ahead else tokenize_and_encode,
+            encoder.lengths[rows],
+            encoder.batch_size or self.batch_size,
+            encode,
             sink=sink,
-            prepare=tokenize if ahead else None,
-            too_long_hint=(
-                f"lower --teacher_max_seq_length (the teacher reads up to {teacher.max_seq_length} tokens) or run "
-                "the teacher on a GPU with more memory"
-            ),
+            prepare=prepare if encoder.prepare is not None else None,
+            too_long_hint=encoder.too_long_hint,
             progress=progress,
         )
 
@@ -385,50 +187,25 @@ class TeacherCache:
             )
         return done
 
-    def _load(self) -> SentenceTransformer:
-        if self.teacher is None:
-            started = time.perf_counter()
-            with self.accelerator.local_main_process_first():  # one download per machine
-                self.teacher = self._load_here()
-            self.load_seconds = time.perf_counter() - started
-        return self.teacher
-
     @property
     def loaded(self) -> bool:
-        return self.teacher is not None
+        return self.source.loaded
 
-    def cost(self, texts: CostTexts, key: str) -> ModelCost:
-        """The teacher's size and speed on this device: kept figures, else measured (loading it on this process).
+    @property
+    def load_seconds(self) -> float:
+        return self.source.load_seconds
+
+    def cost(self, texts: CostTexts, key: str) -> ModelCost | None:
+        """The teacher's size and speed on this device, kept beside the cache (None where none compares).
 
         `key` is `self.key(texts.passages, "document")`, made by every process beforehand (it can be collective).
         """
-        costs = TeacherCosts(self.cache_dir, key, device_label(self.device), texts)
-        cost = costs.get(self.device)
-        if cost is None:
-            teacher = self.teacher or self._load_here()
-            folder = self.spec.path if Path(self.spec.path).is_dir() else None
-            cost = measure(teacher, texts, folder, self.spec.prompt("query"), self.spec.prompt("document"))
-            costs.put(cost)
-        return cost
-
-    def _load_here(self) -> SentenceTransformer:
-        """The teacher on this process alone (no barrier): `_load` keeps it, the cost stage measures it once."""
-        spec = self.spec
-        teacher = load_teacher(spec.path, self.device, spec.revision, spec.trust_remote_code, spec.compute_dtype)
-        if spec.max_seq_length:
-            teacher.max_seq_length = spec.max_seq_length
-        return teacher
-
-    @property
-    def device(self) -> torch.device:
-        return self.accelerator.device
+        costs = TeacherCosts(self.cache_dir, key, device_label(self.accelerator.device), texts)
+        return self.source.cost(self.accelerator, texts, costs)
 
     def release(self) -> None:
         """Free the teacher's memory before the student trains."""
-        self.teacher = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        self.source.release()
 
 
 def mine_hard_negatives(
@@ -487,28 +264,6 @@ def mine_hard_negatives(
     return mined
 
 
-def tokenize_ahead(device: torch.device) -> bool:
-    """Whether the teacher's next batch is tokenized in a background thread: on accelerators, not on a CPU."""
-    return device.type != "cpu"
-
-
-def token_lengths(
-    model: SentenceTransformer, texts: list[str], max_length: int | None, chunk_size: int = TOKENIZE_CHUNK
-) -> list[int]:
-    """Token count of each text under `model`'s tokenizer, truncated as the model will truncate it.
-
-    Tokenized in chunks (`TOKENIZE_CHUNK`): the fast tokenizer's per-token bookkeeping for 40k texts at once
-    costs a few hundred MB that the heap keeps afterwards.
-    """
-    tokenizer = model.tokenizer
-    lengths: list[int] = []
-    for start in range(0, len(texts), chunk_size):
-        batch = texts[start : start + chunk_size]
-        encoded = tokenizer(batch, truncation=True, max_length=max_length, add_special_tokens=True)
-        lengths.extend(len(ids) for ids in encoded["input_ids"])
-    return lengths
-
-
 @dataclass
 class TeacherVectors:
     """Cached teacher embeddings (memory-mapped) of everything the run uses."""
@@ -522,6 +277,8 @@ class TeacherVectors:
     loaded: bool  # whether any teacher model was loaded at all
     load_seconds: float  # the part of `seconds` spent loading the teacher (0 when not loaded)
     cost: ModelCost | None = None  # its size and speed on the main process's device (efficiency.py)
+    cost_note: str | None = None  # why `cost` is missing or has no size (an API, a vectors file)
+    members: dict[str, EvalVectors] = field(default_factory=dict)  # a combined teacher's members, by name
 
     def fit_sample(self, data: DistillData) -> tuple[list[str], np.ndarray | None]:
         """Texts and teacher vectors a projection or basis is fitted on: phase 1's, else phase 2's passages."""
@@ -553,12 +310,11 @@ def embed_with_teacher(
     process.
     """
     batch_size = config.performance.teacher_batch_size or config.training.batch_size
-    spec = TeacherSpec.from_config(config.model, accelerator.device)
-    cache = TeacherCache(accelerator, spec, config.output.teacher_cache_dir, batch_size)
+    caches = partial(TeacherCache, accelerator, cache_dir=config.output.teacher_cache_dir, batch_size=batch_size)
+    cache = caches(make_source(config, accelerator.device, caches))
     phase1_cache = cache  # phase 1's texts go through phase 1's own target where phase1_teacher_model names one
     if data.phase1_texts and config.model.phase1_teacher_model:
-        phase1_spec = TeacherSpec.from_config(config.model, accelerator.device, phase1=True)
-        phase1_cache = TeacherCache(accelerator, phase1_spec, config.output.teacher_cache_dir, batch_size)
+        phase1_cache = caches(make_source(config, accelerator.device, caches, phase1=True))
     phase1 = phase1_cache.embeddings(data.phase1_texts, "document") if data.phase1_texts else None
     seconds = {"phase1": phase1_cache.seconds}
     own = phase1_cache is not cache  # loaded and freed before the teacher
@@ -572,14 +328,12 @@ def embed_with_teacher(
         queries = cache.embeddings(data.phase2.queries, "query")
         passages = cache.embeddings(texts, "document")
     seconds["phase2"] = cache.seconds - started
-    evaluation = None
+    evaluation, members = None, {}
     if data.evaluation is not None:
-        e = data.evaluation
-        evaluation = EvalVectors(
-            np.asarray(cache.embeddings(e.queries, "query"), dtype=np.float32),
-            np.asarray(cache.embeddings(e.corpus, "document"), dtype=np.float32),
-            np.asarray(cache.embeddings(e.sts_texts, "document"), dtype=np.float32) if e.sts_texts else None,
-        )
+        evaluation = eval_vectors(cache, data.evaluation)
+        for member in members_of(cache.source):  # a combined teacher's members, scored apart too (cached)
+            members[member.name] = eval_vectors(caches(member), data.evaluation)
+            member.release()
     seconds["evaluation"] = cache.seconds - started - seconds["phase2"]
     loaded = cache.loaded or phase1_loaded
     cost = None
@@ -592,7 +346,20 @@ def embed_with_teacher(
         # after the teacher is gone: on a GPU the search needs the device memory the teacher held
         rows = np.concatenate([rows, mined_negatives(accelerator, config, texts, queries, passages)], axis=1)
     load_seconds = cache.load_seconds + phase1_load_seconds
-    return TeacherVectors(phase1, queries, passages, rows, evaluation, seconds, loaded, load_seconds, cost)
+    note = cache.source.cost_note
+    return TeacherVectors(
+        phase1, queries, passages, rows, evaluation, seconds, loaded, load_seconds, cost, note, members
+    )
+
+
+def eval_vectors(cache: TeacherCache, evaluation: EvalSet) -> EvalVectors:
+    """A teacher's unit vectors of the evaluation set's queries, corpus and STS texts, through its cache."""
+
+    def embed(texts: list[str], role: Role) -> np.ndarray:
+        return np.asarray(cache.embeddings(texts, role), dtype=np.float32)
+
+    sts = embed(evaluation.sts_texts, "document") if evaluation.sts_texts else None
+    return EvalVectors(embed(evaluation.queries, "query"), embed(evaluation.corpus, "document"), sts)
 
 
 def mined_negatives(

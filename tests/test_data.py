@@ -355,7 +355,8 @@ def test_a_users_own_data_is_evaluated_without_sts_and_loads_no_demo_module(tmp_
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["10", "0", "False"]
+    queries, sts, demo_loaded = done.stdout.split()
+    assert int(queries) > 0 and (sts, demo_loaded) == ("0", "False")
 
 
 # ---------------------------------------------------------------- formats users bring

@@ -18,11 +18,13 @@ from accelerate import Accelerator
 
 import distill.cache as cache_module
 import distill.teacher as teacher_module
+import distill.teachers.local as local_module
 from conftest import build_tiny_decoder, sentences
 from distill.cache import CACHE_FORMAT
 from distill.config import ModelConfig
 from distill.errors import DistillError
-from distill.teacher import TeacherCache, TeacherSpec, texts_fingerprint
+from distill.teacher import TeacherCache, texts_fingerprint
+from distill.teachers.local import LocalTeacher, TeacherSpec
 
 
 def make_cache(
@@ -30,14 +32,14 @@ def make_cache(
 ) -> TeacherCache:
     config = ModelConfig(teacher_model=str(model), teacher_query_prompt=prompt, max_seq_length=max_len)
     spec = TeacherSpec.from_config(config, accelerator.device)
-    return TeacherCache(accelerator, spec, cache_dir, batch_size=8)
+    return TeacherCache(accelerator, LocalTeacher(spec), cache_dir, batch_size=8)
 
 
 def forbid_teacher_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the teacher was loaded although the cache holds every entry")
 
-    monkeypatch.setattr(teacher_module, "load_teacher", refuse)
+    monkeypatch.setattr(local_module, "load_teacher", refuse)
 
 
 def reference_embeddings(model: Path, texts: list[str], prompt: str | None = None) -> np.ndarray:
@@ -293,8 +295,8 @@ def test_teacher_token_limit_defaults_to_the_students_and_can_be_set_alone(
     )
     assert alone.max_seq_length == 256  # the teacher reads 256 tokens, the student still 64
     # a different limit means different vectors: a different cache entry
-    cache_a = TeacherCache(accelerator, shared, tmp_path / "cache", batch_size=8)
-    cache_b = TeacherCache(accelerator, alone, tmp_path / "cache", batch_size=8)
+    cache_a = TeacherCache(accelerator, LocalTeacher(shared), tmp_path / "cache", batch_size=8)
+    cache_b = TeacherCache(accelerator, LocalTeacher(alone), tmp_path / "cache", batch_size=8)
     cache_a._model_key = cache_b._model_key = "same-model"
     assert cache_a.key(["a text"], "document") != cache_b.key(["a text"], "document")
 
@@ -380,13 +382,13 @@ def test_teacher_seconds_count_the_loading_once(
     """Loading is part of the teacher's time exactly once (it used to be added twice) and is reported on its own."""
     import time
 
-    real_load = teacher_module.load_teacher
+    real_load = local_module.load_teacher
 
     def slow_load(*args: object, **kwargs: object):
         time.sleep(1.0)
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(teacher_module, "load_teacher", slow_load)
+    monkeypatch.setattr(local_module, "load_teacher", slow_load)
     cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache")
     cache.embeddings(sentences(6, seed=2), "document")
     assert cache.load_seconds >= 1.0
@@ -404,8 +406,10 @@ def test_cpu_batches_are_formed_by_token_count_not_characters(
     texts = ["a b c d e f g h i j", "abcdefghijklmnopqrstuvwxyz" * 5, *sentences(10, seed=3)]
     cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache")
     vectors = cache.embeddings(texts, "document")
-    tokenizer = cache.teacher.tokenizer
-    expected = [len(tokenizer(t, truncation=True, max_length=cache.teacher.max_seq_length)["input_ids"]) for t in texts]
+    tokenizer = cache.source.model.tokenizer
+    expected = [
+        len(tokenizer(t, truncation=True, max_length=cache.source.model.max_seq_length)["input_ids"]) for t in texts
+    ]
     assert seen["lengths"].tolist() == expected
     assert seen["prepare"] is None
     assert expected[0] > expected[1] and len(texts[0]) < len(texts[1])  # the example does tell the two apart
@@ -419,7 +423,7 @@ def test_tokenizing_ahead_gives_the_same_vectors(
 ) -> None:
     """The GPU path (next batch tokenized in a background thread), forced on the CPU: same vectors, same order."""
     seen = spy_on_map_sharded(monkeypatch)
-    monkeypatch.setattr(teacher_module, "tokenize_ahead", lambda device: True)
+    monkeypatch.setattr(local_module, "tokenize_ahead", lambda device: True)
     texts = sentences(37, seed=11)
     cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache", prompt="query: ")
     vectors = np.asarray(cache.embeddings(texts, "query"), dtype=np.float32)
@@ -439,11 +443,11 @@ def test_a_teacher_batch_too_large_for_the_device_is_encoded_in_halves(
     """A --teacher_batch_size too large for the GPU (out of memory above 3 texts): same vectors, smaller batches."""
     import torch
 
-    monkeypatch.setattr(teacher_module, "tokenize_ahead", lambda device: ahead)
+    monkeypatch.setattr(local_module, "tokenize_ahead", lambda device: ahead)
     texts = sentences(37, seed=11)
     expected = reference_embeddings(tiny_models["teacher"], texts)  # before forward is patched
     cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache")
-    teacher = cache._load()
+    teacher = cache.source.load(accelerator)
     real_forward, sizes = type(teacher).forward, []
 
     def forward(self, features, *args, **kwargs):
@@ -560,12 +564,12 @@ def test_a_second_run_encoding_the_same_texts_stages_apart(
     cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache")
     texts = sentences(5, seed=1)
     entry, key = tmp_path / "cache" / cache.key(texts, "document"), cache.key(texts, "document")
-    first = cache_module.CacheWriter(entry, key, 5, "document", cache.spec)
-    second = cache_module.CacheWriter(entry, key, 5, "document", cache.spec)
+    first = cache_module.CacheWriter(entry, key, 5, "document", cache.source)
+    second = cache_module.CacheWriter(entry, key, 5, "document", cache.source)
     assert ".partial-" in first.staging.name and ".tmp-" in second.staging.name
     first.close()
     second.close()
-    third = cache_module.CacheWriter(entry, key, 5, "document", cache.spec)  # the lock is free again
+    third = cache_module.CacheWriter(entry, key, 5, "document", cache.source)  # the lock is free again
     assert ".partial-" in third.staging.name
     third.close()
 
@@ -575,6 +579,7 @@ import json, sys
 from pathlib import Path
 from accelerate import Accelerator
 import distill.teacher as teacher_module
+import distill.teachers.local as local_module
 from distill.config import ModelConfig
 
 model, cache_dir, texts_file, out = sys.argv[1:5]
@@ -587,8 +592,8 @@ def spy(accelerator, lengths, *args, **kwargs):
     return real_map(accelerator, lengths, *args, **kwargs)
 
 teacher_module.map_sharded = spy
-spec = teacher_module.TeacherSpec.from_config(ModelConfig(teacher_model=model), accelerator.device)
-cache = teacher_module.TeacherCache(accelerator, spec, cache_dir, batch_size=8)
+spec = local_module.TeacherSpec.from_config(ModelConfig(teacher_model=model), accelerator.device)
+cache = teacher_module.TeacherCache(accelerator, local_module.LocalTeacher(spec), cache_dir, batch_size=8)
 cache.embeddings(json.loads(Path(texts_file).read_text()), "document")
 Path(f"{out}.{accelerator.process_index}").write_text(json.dumps([accelerator.num_processes, blocks]))
 """
@@ -629,7 +634,7 @@ def test_document_prompt_is_applied_and_keyed(
     teacher = prompted_teacher(tiny_models, tmp_path / "e5", {"query": "query: ", "passage": "passage: "})
     spec = TeacherSpec.from_config(ModelConfig(teacher_model=str(teacher)), accelerator.device)
     assert (spec.query_prompt, spec.document_prompt) == ("query: ", "passage: ")
-    cache = TeacherCache(accelerator, spec, tmp_path / "cache", batch_size=8)
+    cache = TeacherCache(accelerator, LocalTeacher(spec), tmp_path / "cache", batch_size=8)
     texts = sentences(9, seed=2)
     documents = np.asarray(cache.embeddings(texts, "document"), dtype=np.float32)
     np.testing.assert_allclose(documents, reference_embeddings(teacher, texts, "passage: "), atol=2e-3)
@@ -639,19 +644,19 @@ def test_document_prompt_is_applied_and_keyed(
         ModelConfig(teacher_model=str(teacher), teacher_document_prompt=""), accelerator.device
     )
     assert unprompted.document_prompt == ""
-    other = TeacherCache(accelerator, unprompted, tmp_path / "cache", batch_size=8)
+    other = TeacherCache(accelerator, LocalTeacher(unprompted), tmp_path / "cache", batch_size=8)
     assert other.key(texts, "document") != cache.key(texts, "document")
     assert other.key(texts, "query") == cache.key(texts, "query")  # the key is per role
 
 
 def test_role_prompt_by_name_text_or_none() -> None:
     declared = {"query": "", "document": "", "passage": "passage: ", "corpus": "corpus: ", "qa": "Answer: "}
-    assert teacher_module.role_prompt(declared, None, "document", "t") == "passage: "  # empty placeholders skipped
-    assert teacher_module.role_prompt({"corpus": "c: ", "document": "d: "}, None, "document", "t") == "d: "
-    assert teacher_module.role_prompt(declared, "qa", "query", "t") == "Answer: "  # a name the teacher declares
-    assert teacher_module.role_prompt(declared, "Find: ", "query", "t") == "Find: "  # a text
-    assert teacher_module.role_prompt({"query": "q: "}, "", "query", "t") == ""  # explicitly none
-    assert teacher_module.role_prompt({"document": "d: "}, None, "query", "t") == ""
+    assert local_module.role_prompt(declared, None, "document", "t") == "passage: "  # empty placeholders skipped
+    assert local_module.role_prompt({"corpus": "c: ", "document": "d: "}, None, "document", "t") == "d: "
+    assert local_module.role_prompt(declared, "qa", "query", "t") == "Answer: "  # a name the teacher declares
+    assert local_module.role_prompt(declared, "Find: ", "query", "t") == "Find: "  # a text
+    assert local_module.role_prompt({"query": "q: "}, "", "query", "t") == ""  # explicitly none
+    assert local_module.role_prompt({"document": "d: "}, None, "query", "t") == ""
 
 
 def test_a_teacher_without_a_query_prompt_but_with_task_prompts_is_an_error(
@@ -685,16 +690,16 @@ def test_hub_prompts_are_read_at_the_teachers_revision(
         return str(config)
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
-    assert teacher_module.teacher_prompts("org/teacher", "v1") == {"query": "v1 query: "}
+    assert local_module.teacher_prompts("org/teacher", "v1") == {"query": "v1 query: "}
     assert asked == [("org/teacher", "config_sentence_transformers.json", "v1")]
 
     def missing(*args: object, **kwargs: object) -> str:
         raise EntryNotFoundError("no such file")
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", missing)
-    assert teacher_module.teacher_prompts("org/teacher", "v1") == {}
+    assert local_module.teacher_prompts("org/teacher", "v1") == {}
     warnings = []
-    monkeypatch.setattr(teacher_module.logger, "warning", lambda message, **kwargs: warnings.append(message))
+    monkeypatch.setattr(local_module.logger, "warning", lambda message, **kwargs: warnings.append(message))
 
     def offline(*args: object, **kwargs: object) -> str:
         raise LocalEntryNotFoundError("offline and not cached")
@@ -702,7 +707,7 @@ def test_hub_prompts_are_read_at_the_teachers_revision(
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
     # the model itself is cached (its snapshot is found), only its prompts file is not: no prompts, with a warning
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *args, **kwargs: str(tmp_path))
-    assert teacher_module.teacher_prompts("org/teacher", "v1") == {}
+    assert local_module.teacher_prompts("org/teacher", "v1") == {}
     assert len(warnings) == 1 and "could not read the prompts of teacher 'org/teacher'" in warnings[0]
 
     # the model cannot be found at all: its one error, and no warning about prompts first ("encoding with none")
@@ -712,7 +717,7 @@ def test_hub_prompts_are_read_at_the_teachers_revision(
     monkeypatch.setattr(huggingface_hub, "snapshot_download", not_cached)
     warnings.clear()
     with pytest.raises(DistillError, match=r"model 'org/teacher' cannot be found locally or on the Hub"):
-        teacher_module.teacher_prompts("org/teacher", "v1")
+        local_module.teacher_prompts("org/teacher", "v1")
     assert warnings == []
 
     def broken(*args: object, **kwargs: object) -> str:
@@ -720,7 +725,7 @@ def test_hub_prompts_are_read_at_the_teachers_revision(
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", broken)
     with pytest.raises(RuntimeError, match="a bug"):
-        teacher_module.teacher_prompts("org/teacher", "v1")
+        local_module.teacher_prompts("org/teacher", "v1")
 
 
 def test_teacher_token_limit_defaults_to_the_students_own(
@@ -784,6 +789,7 @@ from pathlib import Path
 from accelerate import Accelerator, InitProcessGroupKwargs
 import distill.hub as hub
 import distill.teacher as teacher_module
+import distill.teachers.local as local_module
 from distill.config import ModelConfig
 
 model, cache_dir, texts_file, out = sys.argv[1:5]
@@ -806,8 +812,8 @@ def read_entry(*args):
     return real_read(*args)
 
 teacher_module.read_entry = read_entry
-spec = teacher_module.TeacherSpec.from_config(ModelConfig(teacher_model=model), accelerator.device)
-cache = teacher_module.TeacherCache(accelerator, spec, cache_dir, batch_size=8)
+spec = local_module.TeacherSpec.from_config(ModelConfig(teacher_model=model), accelerator.device)
+cache = teacher_module.TeacherCache(accelerator, local_module.LocalTeacher(spec), cache_dir, batch_size=8)
 vectors = cache.embeddings(json.loads(Path(texts_file).read_text()), "document")
 Path(f"{out}.{accelerator.process_index}").write_text(json.dumps([cache.loaded, vectors.tolist(), len(hashed)]))
 """
@@ -903,13 +909,13 @@ def test_the_fix_for_non_finite_vectors_follows_the_compute_dtype(tmp_path: Path
     for dtype, fix in [("float16", "pass --teacher_dtype bfloat16"), ("bfloat16", "pass --teacher_dtype float32")]:
         spec = TeacherSpec("t", None, 64, "", False, dtype)
         with pytest.raises(DistillError, match=f"computing in {dtype} gave .* for 1 of the 2 query texts .*'b'.*{fix}"):
-            teacher_module.check_finite(np.array([[1.0, 0.0], [np.inf, 0.0]]), np.array([0, 1]), texts, "query", spec)
-        teacher_module.check_finite(np.eye(2), np.array([0, 1]), texts, "query", spec)  # finite: no error
+            local_module.check_finite(np.array([[1.0, 0.0], [np.inf, 0.0]]), np.array([0, 1]), texts, "query", spec)
+        local_module.check_finite(np.eye(2), np.array([0, 1]), texts, "query", spec)  # finite: no error
 
 
 def test_auto_teacher_dtype_is_bfloat16_only_where_the_gpu_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before compute capability 8 (V100, T4) bfloat16 is emulated in float32 arithmetic: float16 is what runs fast."""
-    from distill.teacher import teacher_dtype
+    from distill.teachers.local import teacher_dtype
 
     capability = {"value": (8, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
@@ -936,14 +942,16 @@ def test_a_teacher_saved_in_half_precision_computes_in_the_chosen_dtype(
     expected = as_float32.encode(texts, normalize_embeddings=True)
     cache = make_cache(accelerator, teacher, tmp_path / "cache")
     vectors = cache.embeddings(texts, "document")
-    assert cache.spec.compute_dtype == "float32"
-    assert {parameter.dtype for parameter in cache.teacher.parameters()} == {torch.float32}
+    assert cache.source.spec.compute_dtype == "float32"
+    assert {parameter.dtype for parameter in cache.source.model.parameters()} == {torch.float32}
     np.testing.assert_allclose(vectors, expected, atol=2e-3)
 
     config = ModelConfig(teacher_model=str(teacher), teacher_dtype="bfloat16")
-    in_bf16 = TeacherCache(accelerator, TeacherSpec.from_config(config, accelerator.device), tmp_path / "cache", 8)
+    in_bf16 = TeacherCache(
+        accelerator, LocalTeacher(TeacherSpec.from_config(config, accelerator.device)), tmp_path / "cache", 8
+    )
     half_vectors = in_bf16.embeddings(texts, "document")
-    assert {parameter.dtype for parameter in in_bf16.teacher.parameters()} == {torch.bfloat16}
+    assert {parameter.dtype for parameter in in_bf16.source.model.parameters()} == {torch.bfloat16}
     assert len(committed_entries(tmp_path / "cache")) == 2  # its own entry: the dtype is part of the key
     assert np.abs(half_vectors.astype(np.float32) - expected).max() > 2e-3  # so the check above can tell them apart
 
@@ -954,13 +962,14 @@ from datetime import timedelta
 from pathlib import Path
 from accelerate import Accelerator, InitProcessGroupKwargs
 import distill.teacher as teacher_module
+import distill.teachers.local as local_module
 from distill.config import ModelConfig
 from distill.errors import DistillError
 
 model, cache_dir, texts_file, out = sys.argv[1:5]
 accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=40))])
-spec = teacher_module.TeacherSpec.from_config(ModelConfig(teacher_model=model), accelerator.device)
-cache = teacher_module.TeacherCache(accelerator, spec, cache_dir, batch_size=4)
+spec = local_module.TeacherSpec.from_config(ModelConfig(teacher_model=model), accelerator.device)
+cache = teacher_module.TeacherCache(accelerator, local_module.LocalTeacher(spec), cache_dir, batch_size=4)
 try:
     cache.embeddings(json.loads(Path(texts_file).read_text()), "document")
     seen = "no error"
