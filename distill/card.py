@@ -137,7 +137,7 @@ def card_data(settings: dict, figures: dict) -> SentenceTransformerModelCardData
     """sentence-transformers' card data for the exported model, filled from the run and never from the Hub."""
     from sentence_transformers.sentence_transformer.model_card import SentenceTransformerModelCardData
 
-    student, teacher = str(settings.get("student_model", "")), teacher_name(settings)
+    student, teacher = base_model(settings), teacher_name(settings)
     own = student_card_header(student) if student else {}
     data = SentenceTransformerModelCardData(
         language=own.get("language"),  # the student's own card's: its vocabulary is the student's
@@ -195,6 +195,15 @@ def model_card(
     section = distill_section(settings, table, dims, note, matryoshka)
     head, found, tail = generated.partition(DISTILL_SECTION_BEFORE)
     return f"{head}\n{section}{found}{tail}" if found else f"{generated.rstrip()}\n\n{section}"
+
+
+def base_model(settings: dict) -> str:
+    """The model the student starts from: --student_model, or for a static student the model its table was
+    distilled from (`static` is the teacher's, `static:<model>` that model's)."""
+    student = str(settings.get("student_model", ""))
+    if student == "static":
+        return str(settings.get("teacher_model") or "")
+    return student.removeprefix("static:")
 
 
 def teacher_name(settings: dict) -> str:

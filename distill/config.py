@@ -132,7 +132,14 @@ class ModelConfig:
     student_model: str = _opt(
         check=MODEL_NAME,
         default="sentence-transformers/all-mpnet-base-v2",
-        help="Student to initialise from: a Hub name, a local folder, or a PyPI-shipped model name.",
+        help="Student to initialise from: a Hub name, a local folder, or a PyPI-shipped model name; 'static' for a "
+        "table of token vectors distilled from the teacher by model2vec, 'static:<model>' from another model, or a "
+        "model2vec folder.",
+    )
+    student_dim: int | None = _opt(
+        check=OPTIONAL_POSITIVE,
+        default=None,
+        help="A static student's width: model2vec's PCA dimensions when it distils the table (default: 256).",
     )
     use_projection: bool = _opt(
         default=True,
@@ -731,7 +738,7 @@ def _contradictions(config: Config) -> list[Contradiction]:
     # without periodic evaluations each phase has one candidate, the model exported anyway: nothing to keep
     keep_best_why = "eval_data is none" if data.eval_data == "none" else "eval_steps is 0 (only phase ends)"
     keep_best_fix = "--eval_steps N and an --eval_data" if data.eval_data == "none" else "--eval_steps N"
-    return _teacher_contradictions(config) + [
+    own = [
         Contradiction(
             "keep_best",
             ("eval_data", "eval_steps"),
@@ -774,6 +781,37 @@ def _contradictions(config: Config) -> list[Contradiction]:
             "skip_phase1 and skip_phase2 are both set: nothing would be trained; drop one of them",
         ),
     ]
+    return [*_teacher_contradictions(config), *_student_contradictions(config), *own]
+
+
+def _student_contradictions(config: Config) -> list[Contradiction]:
+    """A static student's settings against a transformer's."""
+    model, static = config.model, _static(config.model.student_model)
+    return [
+        Contradiction(
+            "student_dim",
+            ("student_model",),
+            model.student_dim is not None and not static,
+            "student_dim: only a static student is distilled to a width; pass --student_model static or drop "
+            "--student_dim",
+        ),
+        Contradiction(
+            "student_num_layers",
+            ("student_model",),
+            model.student_num_layers is not None and static,
+            "student_num_layers: a static student has no layers to keep; drop --student_num_layers",
+        ),
+        Contradiction(
+            "gradient_checkpointing",
+            ("student_model",),
+            config.performance.gradient_checkpointing and static,
+            "gradient_checkpointing: a static student has no layers to recompute; drop --gradient_checkpointing",
+        ),
+    ]
+
+
+def _static(name: str) -> bool:
+    return name == "static" or name.startswith("static:")
 
 
 def _teacher_contradictions(config: Config) -> list[Contradiction]:

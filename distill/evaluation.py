@@ -29,6 +29,7 @@ from distill.data import DistillData, EvalSet, EvalVectors
 from distill.export import export_models
 from distill.losses import truncate
 from distill.student import DistillationModel, encode_student
+from distill.students import texts_for
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -247,12 +248,12 @@ def eval_inputs(
     """The evaluation set tokenized for the student, with the teacher's vectors of it; None without one."""
     if data.evaluation is None or teacher is None:
         return None
-    e, tok, length = data.evaluation, student.tokenizer, student.max_seq_length
+    e, tok, length, texts = data.evaluation, student.tokenizer, student.max_seq_length, texts_for(student)
     return EvalInputs(
         e,
-        TokenizedTexts(tok, e.queries, length),
-        TokenizedTexts(tok, e.corpus, length),
-        TokenizedTexts(tok, e.sts_texts, length) if e.sts_texts else None,
+        texts(tok, e.queries, length),
+        texts(tok, e.corpus, length),
+        texts(tok, e.sts_texts, length) if e.sts_texts else None,
         teacher,
         basis,
     )

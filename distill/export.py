@@ -4,6 +4,7 @@
   and a Normalize, so `encode` returns teacher-space vectors that can query an index the teacher built. In
   Matryoshka mode it is the student, given a final Normalize if it has none: unit vectors in both modes.
 - `<artifacts_dir>/student`: projection mode only, the student at its own dimension.
+- `<artifacts_dir>/model2vec`: a static student only, the same model as model2vec saves it.
 
 Each folder is written by sentence-transformers' own `save` into a temporary folder, with its model card
 (`distill/card.py`), then renamed into place: a crash never leaves half a model. Only the main process writes;
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +27,8 @@ from distill.card import model_card
 from distill.distributed import on_main_process
 from distill.errors import DistillError, first_line
 from distill.student import DistillationModel, matryoshka_dims, normalize_module
+from distill.students import is_static_model
+from distill.students.static import MODEL2VEC_FOLDER, save_model2vec
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -77,29 +80,38 @@ def export_models(
         )
         targets["student"] = (root / "student", model.student, student_dims, note)
 
+    written = {name: str(path) for name, (path, *_) in targets.items()}
+    deployable = targets["model"][1]
+    if is_static_model(deployable):  # a static table is also a model2vec model: its users load it there
+        written[MODEL2VEC_FOLDER] = str(root / MODEL2VEC_FOLDER)
+
     def write() -> None:
         for path, sentence_transformer, dims, note in targets.values():
             card = model_card(sentence_transformer, settings, table, dims, note, trained, figures)
             save_atomic(sentence_transformer, path, card)
+        if MODEL2VEC_FOLDER in written:
+            card = model_card(deployable, settings, table, model_dims, MODEL2VEC_NOTE, trained, figures)
+            save_atomic_with(lambda staging: save_model2vec(deployable, staging, card), root / MODEL2VEC_FOLDER)
 
     on_main_process(accelerator, write)
-    return {name: str(path) for name, (path, *_) in targets.items()}
+    return written
 
 
-def save_atomic(sentence_transformer: SentenceTransformer, target: Path, card: str) -> None:
-    """sentence-transformers' save into `<target>.tmp`, card added, then swapped in for any previous export.
+MODEL2VEC_NOTE = (
+    "This folder is the same student as a model2vec model: `StaticModel.from_pretrained(path)` loads it, with "
+    "every linear layer after the table folded into the table."
+)
 
-    The folder is saved without prompts: the student was distilled on unprompted texts, so the prompts it
-    came with would make `encode_query`/`encode_document` feed it inputs it was not trained on.
-    """
+
+def save_atomic_with(save: Callable[[Path], object], target: Path) -> None:
+    """`save(staging)` into `<target>.tmp`, then swapped in for any previous folder: a crash never leaves half a
+    model, and a failed write puts the last good export back."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".{target.name}.tmp-{os.getpid()}"
     previous = target.parent / f".{target.name}.old-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        with no_prompts(sentence_transformer):
-            sentence_transformer.save(str(staging), create_model_card=False)
-        (staging / "README.md").write_text(card)
+        save(staging)
         if target.exists():
             os.replace(target, previous)
         os.replace(staging, target)
@@ -114,6 +126,21 @@ def save_atomic(sentence_transformer: SentenceTransformer, target: Path, card: s
             ) from None
         raise
     shutil.rmtree(previous, ignore_errors=True)
+
+
+def save_atomic(sentence_transformer: SentenceTransformer, target: Path, card: str) -> None:
+    """sentence-transformers' save, card added, swapped in atomically (`save_atomic_with`).
+
+    The folder is saved without prompts: the student was distilled on unprompted texts, so the prompts it
+    came with would make `encode_query`/`encode_document` feed it inputs it was not trained on.
+    """
+
+    def save(staging: Path) -> None:
+        with no_prompts(sentence_transformer):
+            sentence_transformer.save(str(staging), create_model_card=False)
+        (staging / "README.md").write_text(card)
+
+    save_atomic_with(save, target)
 
 
 @contextmanager

@@ -32,6 +32,7 @@ from distill.config import Config
 from distill.data import DistillData, passage_texts
 from distill.errors import DistillError
 from distill.losses import LossWeights, alignment_loss, similarity_kl_loss
+from distill.students import texts_for
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -152,7 +153,7 @@ class Phase:
 
     def _tokenizer(self, student: SentenceTransformer) -> partial[TokenizedTexts]:
         return partial(
-            TokenizedTexts,
+            texts_for(student),
             student.tokenizer,
             max_length=student.max_seq_length,
             pad_to_multiple_of=self.config.performance.pad_to_multiple_of,

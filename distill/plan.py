@@ -410,8 +410,7 @@ def model_shapes(config: Config) -> Models:
 
     model = config.model
     check_teacher(model)
-    student_folder = config_folder(model.student_model, None)
-    student = model_shape(student_folder, model.student_num_layers, model.trust_remote_code)
+    student_folder, student = student_shape(config)
     elsewhere = ModelShape(0, 0, 0, 0, 0, 0, 0, model.teacher_dimensions or student.dim)  # an endpoint, a file
     names = teacher_names(model) or [""]
     here = [name for name in names if name and not name.startswith(ENDPOINT_PREFIX)]
@@ -421,6 +420,26 @@ def model_shapes(config: Config) -> Models:
     phase1_teacher = model_shape(phase1_folder, None, model.trust_remote_code) if phase1_folder else None
     teacher_folder = folders[here[0]] if here else student_folder
     return Models(teacher_folder, student_folder, phase1_folder, teachers, student, phase1_teacher)
+
+
+def student_shape(config: Config) -> tuple[Path, ModelShape]:
+    """The student's folder (its tokenizer counts its tokens) and shape; a static student is a table of vocabulary
+    size x width, which costs no FLOPs worth counting (a mean of looked-up rows)."""
+    from distill.students.static import DEFAULT_DIM, is_static, source_model
+
+    model = config.model
+    if not is_static(model.student_model):
+        folder = config_folder(model.student_model, None)
+        return folder, model_shape(folder, model.student_num_layers, model.trust_remote_code)
+    name = model.student_model
+    if Path(name).expanduser().is_dir():
+        folder = Path(name).expanduser()
+        dim = int(json.loads((folder / "config.json").read_text()).get("hidden_dim") or DEFAULT_DIM)
+    else:
+        folder, dim = config_folder(source_model(name, model.teacher_model), None), model.student_dim or DEFAULT_DIM
+    tokenizer = tokenizer_of(folder)
+    vocabulary = len(tokenizer) if tokenizer is not None else 0
+    return folder, ModelShape(vocabulary * dim, vocabulary * dim, 0, 1, 0, dim, 0, dim)
 
 
 def teacher_figures(

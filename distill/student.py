@@ -11,6 +11,7 @@ the teacher (projected to the teacher's dimension, or the student's own in Matry
 from __future__ import annotations
 
 from collections import OrderedDict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,6 +25,9 @@ from distill.config import Config, ModelConfig
 from distill.distributed import main_decides, progress_bar
 from distill.errors import DistillError
 from distill.hub import declared_dimension, load_sentence_transformer, resolve_model
+from distill.students import is_static, texts_for
+from distill.students.static import DEFAULT_DIM as STATIC_DIM
+from distill.students.static import load_static_student
 from distill.teachers import check_teacher, local_model
 
 if TYPE_CHECKING:
@@ -359,6 +363,27 @@ PROJECTION_FIT_SAMPLES = 4096
 PCA_FIT_SAMPLES = 32768  # rows of the teacher's vectors its principal axes are computed from (a 3584-d teacher: ~1 min)
 
 
+def load_student_kind(accelerator: Accelerator, config: Config) -> SentenceTransformer:
+    """The student --student_model names: a static table (distilled by model2vec on each machine's first process,
+    which keeps it for the others), or a transformer cut to its layers."""
+    model = config.model
+    if is_static(model.student_model):
+        cache_dir = Path(config.output.teacher_cache_dir)
+        with accelerator.local_main_process_first():
+            return load_static_student(model.student_model, model.teacher_model, model.student_dim, cache_dir)
+    student = load_student(
+        model.student_model,
+        model.student_num_layers,
+        model.max_seq_length,
+        model.trust_remote_code,
+        attention_dropout=TRAINING_ATTENTION_DROPOUT,
+    )
+    freeze_unused_parameters(student)
+    if config.performance.gradient_checkpointing:
+        enable_gradient_checkpointing(student)  # before Accelerate prepares (and perhaps compiles) the model
+    return student
+
+
 def build_student(
     accelerator: Accelerator,
     config: Config,
@@ -372,16 +397,7 @@ def build_student(
     orthonormal columns) is what the teacher's vectors are multiplied by before truncation in MRL mode. The
     projection, rotation and basis are fitted on `fit_texts` and the teacher's vectors of them, `fit_targets`.
     """
-    student = load_student(
-        config.model.student_model,
-        config.model.student_num_layers,
-        config.model.max_seq_length,
-        config.model.trust_remote_code,
-        attention_dropout=TRAINING_ATTENTION_DROPOUT,
-    )
-    freeze_unused_parameters(student)
-    if config.performance.gradient_checkpointing:
-        enable_gradient_checkpointing(student)  # before Accelerate prepares (and perhaps compiles) the model
+    student = load_student_kind(accelerator, config)
     student.to(accelerator.device)
     student_dim = embedding_dim(student)
     target = "phase-1 teacher" if config.model.phase1_teacher_model else "teacher"
@@ -390,7 +406,7 @@ def build_student(
     assert targets is not None, "a projection or basis needs the teacher's vectors of the fitting texts"
     sample = np.random.default_rng(config.training.seed).permutation(len(texts))[:PROJECTION_FIT_SAMPLES]
     sample.sort()
-    tokens = TokenizedTexts(student.tokenizer, [texts[i] for i in sample], student.max_seq_length)
+    tokens = texts_for(student)(student.tokenizer, [texts[i] for i in sample], student.max_seq_length)
     student_vectors, _ = encode_student(accelerator, DistillationModel(student), tokens, 2 * config.training.batch_size)
     sampled_targets = np.asarray(targets[sample], dtype=np.float32)
     if config.model.use_projection:
@@ -467,7 +483,14 @@ def check_declared_dimensions(model_config: ModelConfig) -> None:
         return
     teacher = local_model(model_config)  # an endpoint's or a file's width is known once it answers
     teacher_dim = declared_dimension(resolve_model(teacher, model_config.teacher_revision)) if teacher else None
-    student_dim = declared_dimension(resolve_model(model_config.student_model))
+    if is_static(model_config.student_model):  # a folder's table is read when loaded; a distilled one is this wide
+        student_dim = (
+            None
+            if ":" not in model_config.student_model and model_config.student_model != "static"
+            else (model_config.student_dim or STATIC_DIM)
+        )
+    else:
+        student_dim = declared_dimension(resolve_model(model_config.student_model))
     if teacher_dim and student_dim:
         check_dimensions(student_dim, teacher_dim, use_projection=False)
     if student_dim:

@@ -513,22 +513,23 @@ def test_a_removed_option_in_a_config_file_is_the_unknown_key_error(name: str, t
         load_config([f"--{name}", "1"])
 
 
-# What the kinds of teacher beyond one local model (an endpoint, a vectors file, several combined) add to the lean
-# core's options.
-TEACHER_KIND_OPTIONS = {
+# What the kinds of teacher beyond one local model (an endpoint, a vectors file, several combined) and of student
+# beyond the transformer (a static table) add to the lean core's options.
+KIND_OPTIONS = {
     "--teacher_base_url",
     "--teacher_api_key_env",
     "--teacher_dimensions",
     "--teacher_vectors",
     "--teacher_weights",
+    "--student_dim",
 }
 
 
 def test_help_lists_at_most_65_core_options_grouped_by_the_config_trees_sections() -> None:
     text = build_parser().format_help()
     options = [line.split()[0] for line in text.splitlines() if line.startswith("  --")]
-    assert TEACHER_KIND_OPTIONS <= set(options)
-    assert len(options) - len(TEACHER_KIND_OPTIONS) <= 65, len(options)
+    assert KIND_OPTIONS <= set(options)
+    assert len(options) - len(KIND_OPTIONS) <= 65, len(options)
     assert list(config_module.HELP_GROUPS) == list(config_module.SECTIONS)
 
 

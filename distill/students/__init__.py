@@ -1,0 +1,31 @@
+"""Students: what the phases train and sentence-transformers loads.
+
+- a transformer, pruned to some of its layers (distill/student.py, which also holds what every student shares:
+  the projection, the Matryoshka basis, the model Accelerate prepares);
+- a static table of token vectors, averaged (static.py), for CPUs, phones and browsers.
+
+The phases never ask which kind they train: a kind brings its own loading and its own batches of token ids
+(`texts_for`), and the exporter asks it for any folder of its own (a model2vec folder).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from distill.batching import TokenizedTexts
+from distill.students.static import StaticTexts, is_static
+
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
+
+__all__ = ["is_static", "is_static_model", "texts_for"]
+
+
+def is_static_model(student: SentenceTransformer) -> bool:
+    """Whether `student` is a static table (its first module a `StaticEmbedding`)."""
+    return type(next(iter(student), None)).__name__ == "StaticEmbedding"
+
+
+def texts_for(student: SentenceTransformer) -> type[TokenizedTexts]:
+    """How this student's texts are tokenized and batched: padded ids for a transformer, flat ids for a table."""
+    return StaticTexts if is_static_model(student) else TokenizedTexts

@@ -1,0 +1,187 @@
+"""A static student: one vector per token, averaged, hundreds of times faster than a transformer on a CPU.
+
+model2vec builds the table (`model2vec.distill`: every vocabulary token through a model, then PCA to the width
+asked for, `--student_dim`); the phases then fit it to the teacher, phase 1 to its sentence vectors (model2vec's
+own second step, tokenlearn), phase 2 to its in-batch similarities. sentence-transformers' `StaticEmbedding` holds
+the table, so the loop, checkpoints, evaluation, the cost stage and export treat it as any student.
+
+`--student_model static` distils the teacher's tokens; `static:<model>` another model's (a teacher whose tokenizer
+does not suit, byte-level BPE say, or one behind an endpoint); a model2vec folder or a SentenceTransformer folder
+whose first module is a `StaticEmbedding` starts from that table. Distilled tables are kept in the teacher cache
+folder, keyed by the model's weights and the width.
+
+Texts are tokenized as model2vec tokenizes them (no special tokens, unknown tokens dropped), so the exported
+model2vec folder gives the trained student's vectors; sentence-transformers' `StaticEmbedding` keeps unknown
+tokens in its mean, so the two folders differ for texts with tokens outside the vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from distill.batching import TokenizedTexts
+from distill.errors import DistillError
+from distill.hub import model_fingerprint, resolve_model
+
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
+
+STATIC = "static"
+DEFAULT_DIM = 256
+MODEL2VEC_FOLDER = "model2vec"  # beside the SentenceTransformer folder in <artifacts_dir>
+
+
+def is_static(name: str | None) -> bool:
+    """Whether --student_model names a static student: `static`, `static:<model>`, or a static model's folder."""
+    if not name:
+        return False
+    if name == STATIC or name.startswith(f"{STATIC}:"):
+        return True
+    folder = Path(name).expanduser()
+    return folder.is_dir() and (_is_model2vec(folder) or _is_static_sentence_transformer(folder))
+
+
+def _is_model2vec(folder: Path) -> bool:
+    config = folder / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("model_type") == "model2vec"
+
+
+def _is_static_sentence_transformer(folder: Path) -> bool:
+    modules = folder / "modules.json"
+    if not modules.is_file():
+        return False
+    first = (json.loads(modules.read_text()) or [{}])[0]
+    return str(first.get("type", "")).endswith("StaticEmbedding")
+
+
+def source_model(name: str, teacher_model: str | None) -> str:
+    """The model whose tokens a `static` / `static:<model>` student is distilled from."""
+    source = name.split(":", 1)[1] if ":" in name else teacher_model
+    if not source or source.startswith("openai/") or "," in source:
+        raise DistillError(
+            "student_model static distils the teacher's token vectors, but the teacher is not one model loaded here; "
+            "name the model to distil with --student_model static:<model> (a Hub name or a folder)"
+        )
+    return source
+
+
+def load_static_student(
+    name: str, teacher_model: str | None, dim: int | None, cache_dir: Path, device: str = "cpu"
+) -> SentenceTransformer:
+    """The static student: a StaticEmbedding (the table) and a Normalize, from a folder or from model2vec's
+    distillation of a model (kept in `cache_dir` for the next run)."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, StaticEmbedding
+
+    folder = Path(name).expanduser()
+    if folder.is_dir() and _is_static_sentence_transformer(folder):
+        return SentenceTransformer(str(folder), device=device).float()
+    if folder.is_dir():
+        embedding = StaticEmbedding.from_model2vec(str(folder))
+    else:
+        embedding = distilled_embedding(source_model(name, teacher_model), dim or DEFAULT_DIM, cache_dir)
+    # float32 whatever model2vec stored: the optimizer keeps float32 weights, mixed precision is autocast's
+    return SentenceTransformer(modules=[embedding, Normalize()], device=device).float()
+
+
+def distilled_embedding(source: str, dim: int, cache_dir: Path) -> Any:
+    """model2vec's distillation of `source` to `dim` dimensions as a StaticEmbedding, from the cache when kept."""
+    from model2vec import StaticModel
+    from sentence_transformers.sentence_transformer.modules import StaticEmbedding
+
+    path = resolve_model(source)
+    key = model_fingerprint(path)[:16]
+    kept = Path(cache_dir).expanduser() / f"static-{key}-{dim}"
+    if not (kept / "config.json").is_file():
+        try:
+            from model2vec.distill import distill
+        except ImportError as e:
+            raise DistillError(
+                f"a static student needs model2vec's distillation ({e.name} is missing); install it with: "
+                'pip install "model2vec>=0.10" "skeletoken>=0.6,<0.7"'
+            ) from None
+        model = distill(path, pca_dims=dim)
+        staging = kept.with_name(f".{kept.name}.partial")
+        model.save_pretrained(str(staging))
+        staging.replace(kept) if not kept.exists() else None
+    model = StaticModel.from_pretrained(str(kept), force_download=False)
+    return StaticEmbedding(model.tokenizer, embedding_weights=np.asarray(model.embedding), base_model=source)
+
+
+class StaticTexts(TokenizedTexts):
+    """Texts tokenized as model2vec tokenizes them, batched as `StaticEmbedding` reads them (flat ids, offsets)."""
+
+    def __init__(
+        self, tokenizer: Any, texts: list[str], max_length: float | None = None, pad_to_multiple_of: int = 1, **_: Any
+    ):
+        # no truncation by default (a static model's max_seq_length is inf): neither export truncates either
+        # (the model2vec folder's max_length is None, StaticEmbedding has none)
+        max_length = int(max_length) if max_length and max_length != float("inf") else None
+        self.max_length, self.pad_to_multiple_of = max_length or 0, pad_to_multiple_of
+        unknown = _unknown_id(tokenizer)
+        ids = [
+            [token for token in encoding.ids if token != unknown]
+            for encoding in tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+        ]
+        if max_length:
+            self.truncated = sum(len(x) > max_length for x in ids)
+            ids = [x[:max_length] for x in ids]
+        else:
+            self.truncated = 0
+        self.lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
+        self.ids = np.fromiter((t for x in ids for t in x), dtype=np.int32, count=int(self.lengths.sum()))
+
+    def features(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        rows = np.asarray(indices)
+        starts, lengths = self.offsets[rows], self.lengths[rows]
+        flat = np.concatenate([self.ids[s : s + n] for s, n in zip(starts, lengths)]) if len(rows) else self.ids[:0]
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        return {"input_ids": torch.from_numpy(flat.astype(np.int64)), "offsets": torch.from_numpy(offsets)}
+
+
+def _unknown_id(tokenizer: Any) -> int | None:
+    """The tokenizer's unknown token, which model2vec drops (as `StaticModel.tokenize` does)."""
+    model = json.loads(tokenizer.to_str()).get("model", {})
+    token = model.get("unk_token")
+    return tokenizer.token_to_id(token) if token else None
+
+
+def static_table(student: SentenceTransformer) -> torch.Tensor | None:
+    """The table a static student's sentence vector is the mean of, with every linear module after it folded in
+    (a Matryoshka rotation, a projection): mean(E) W + b = mean(E W + b). None for any other student."""
+    from sentence_transformers.sentence_transformer.modules import Normalize, StaticEmbedding
+
+    modules = list(student)
+    if not modules or not isinstance(modules[0], StaticEmbedding):
+        return None
+    table = modules[0].embedding.weight.detach().float().cpu()
+    for module in modules[1:]:
+        if isinstance(module, Normalize):
+            continue
+        if not isinstance(getattr(module, "activation_function", None), torch.nn.Identity):
+            raise DistillError(
+                f"a static student's {type(module).__name__} is not linear; it cannot be exported to model2vec"
+            )
+        with torch.no_grad():
+            table = module({"sentence_embedding": table})["sentence_embedding"].float().cpu()
+    return table
+
+
+def save_model2vec(student: SentenceTransformer, folder: Path, card: str) -> Path | None:
+    """The student as a model2vec folder that `StaticModel.from_pretrained` loads (normalised, as trained)."""
+    from model2vec import StaticModel
+
+    table = static_table(student)
+    if table is None:
+        return None
+    tokenizer = student[0].tokenizer
+    model = StaticModel(vectors=table.numpy(), tokenizer=tokenizer, normalize=True, max_length=None)
+    model.save_pretrained(str(folder))
+    (folder / "README.md").write_text(card)
+    return folder

@@ -1,0 +1,122 @@
+"""Student kinds beyond the transformer: the static table (distill/students/static.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import sentences, tiny_run_flags
+from distill.config import load_config
+from distill.errors import DistillError
+from distill.students import is_static, is_static_model, texts_for
+from distill.students.static import StaticTexts, load_static_student, static_table
+from distill.train import main
+
+
+@pytest.fixture(scope="module")
+def static_student(tiny_models, tmp_path_factory):
+    """The tiny teacher's token vectors, distilled by model2vec to 16 dimensions."""
+    cache = tmp_path_factory.mktemp("static-cache")
+    return load_static_student(f"static:{tiny_models['teacher']}", None, 16, cache)
+
+
+def test_a_static_student_is_a_table_and_a_normalize(static_student) -> None:
+    assert is_static_model(static_student) and texts_for(static_student) is StaticTexts
+    assert [type(m).__name__ for m in static_student] == ["StaticEmbedding", "Normalize"]
+    assert static_student.get_sentence_embedding_dimension() == 16
+    assert static_student[0].embedding.weight.dtype == torch.float32  # trained in float32, whatever model2vec kept
+    assert is_static("static") and is_static("static:org/model") and not is_static("org/model")
+
+
+def test_static_batches_are_model2vecs_tokens_and_give_encodes_vectors(static_student) -> None:
+    """Flat ids and offsets, model2vec's tokens (no special tokens, unknown ones dropped): the forward pass is
+    `encode`'s mean of the token vectors, normalised."""
+    from model2vec import StaticModel
+
+    texts = sentences(9, seed=3)
+    tokens = StaticTexts(static_student.tokenizer, texts)
+    table = static_student[0].embedding.weight.detach().numpy()
+    reference = StaticModel(vectors=table, tokenizer=static_student.tokenizer, normalize=True, max_length=None)
+    assert [list(tokens.ids[tokens.offsets[i] : tokens.offsets[i + 1]]) for i in range(9)] == reference.tokenize(texts)
+    features = tokens.features([4, 0, 7])
+    assert set(features) == {"input_ids", "offsets"} and features["offsets"][0] == 0
+    with torch.no_grad():
+        vectors = static_student(features)["sentence_embedding"].numpy()
+    np.testing.assert_allclose(vectors, reference.encode([texts[4], texts[0], texts[7]]), atol=1e-6)
+
+
+def test_static_table_folds_the_linear_modules_after_it(static_student) -> None:
+    from distill.student import add_rotation
+
+    rotation = torch.linalg.qr(torch.randn(16, 16, generator=torch.Generator().manual_seed(0)))[0]
+    add_rotation(static_student, rotation)
+    try:
+        texts = sentences(5, seed=8)
+        table = static_table(static_student).numpy()
+        tokens = StaticTexts(static_student.tokenizer, texts)
+        means = np.stack([table[tokens.ids[tokens.offsets[i] : tokens.offsets[i + 1]]].mean(axis=0) for i in range(5)])
+        means /= np.linalg.norm(means, axis=1, keepdims=True)
+        np.testing.assert_allclose(static_student.encode(texts), means, atol=1e-5)
+    finally:
+        del static_student._modules[next(k for k, m in static_student._modules.items() if type(m).__name__ == "Dense")]
+
+
+def test_a_static_run_exports_folders_that_both_libraries_load_alike(tiny_models, tiny_data, tmp_path) -> None:
+    from model2vec import StaticModel
+    from sentence_transformers import SentenceTransformer
+
+    out = tmp_path / "static"
+    flags = tiny_run_flags(
+        tiny_models,
+        tiny_data,
+        out,
+        student_model=f"static:{tiny_models['teacher']}",
+        student_dim=16,
+        use_projection=False,
+        phase1_lr=1e-2,
+        save_to_artifacts=True,
+        efficiency_texts=16,
+    )
+    assert main(flags) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["student_after"]["teacher_cosine"] > results["student_before"]["teacher_cosine"]
+    assert results["efficiency"]["ratios"]["parameters"] < 1
+    assert set(results["exported"]) == {"model", "model2vec"}
+    texts = sentences(12, seed=31)
+    from_st = SentenceTransformer(str(out / "artifacts" / "model"), device="cpu").encode(texts)
+    from_model2vec = StaticModel.from_pretrained(str(out / "artifacts" / "model2vec"), force_download=False).encode(
+        texts
+    )
+    np.testing.assert_allclose(from_st, from_model2vec, atol=1e-6)  # float32 precision
+    card = (out / "artifacts" / "model2vec" / "README.md").read_text()
+    assert "model2vec model" in card and "## Distillation" in card
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--student_dim", "64"],
+            r"student_dim: only a static student is distilled to a width; pass --student_model static",
+        ),
+        (
+            ["--student_model", "static", "--student_num_layers", "3"],
+            r"student_num_layers: a static student has no layers",
+        ),
+        (["--student_model", "static", "--gradient_checkpointing"], r"gradient_checkpointing: a static student has no"),
+    ],
+)
+def test_a_static_students_settings_that_do_not_apply_are_refused(argv: list[str], message: str) -> None:
+    with pytest.raises(DistillError, match=message):
+        load_config(["--teacher_model", "t", *argv])
+
+
+def test_static_needs_a_model_to_distil_when_the_teacher_is_not_one(tmp_path: Path) -> None:
+    with pytest.raises(
+        DistillError, match=r"^student_model static distils the teacher's token vectors, .* static:<model>"
+    ):
+        load_static_student("static", "openai/text-embedding-3-small", 16, tmp_path)
