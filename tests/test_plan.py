@@ -154,3 +154,28 @@ def test_a_cpu_process_base_is_read_with_the_data_loaded(tiny_models, tiny_data,
     gpu = make_plan(config, device_for("h100", None, None))
     assert gpu.assumptions["process_base_bytes"] == 0
     assert figures.student_memory_bytes > figures.teacher_memory_bytes > 2000  # the stages sit on that base
+
+
+def test_an_endpoint_teacher_is_planned_as_the_tokens_it_will_be_sent(tiny_models, tiny_data, tmp_path):
+    """Nothing of it runs here: no FLOPs, no memory; the tokens it is sent, counted with the student's tokenizer."""
+    device = device_for("h100", None, None)
+    flags = tiny_run_flags(tiny_models, tiny_data, tmp_path / "plan", max_samples_phase1=64, max_samples_phase2=48)
+    local = make_plan(load_config(flags), device)
+    served = make_plan(load_config([*flags, "--teacher_model", "openai/big-model"]), device)
+    assert served.teacher == "openai/big-model at https://api.openai.com/v1" and served.teacher_flops == 0
+    assert served.texts == local.texts and served.parameters["teacher"] == 0
+    text = plan.plan_text(served)
+    sent = sum(tokens["teacher"] for tokens in served.tokens.values())
+    assert f"tokens sent to the endpoint: {sent:,.0f}" in text and sent > 0
+    assert served.assumptions["teacher_tokenizer"].startswith("the student's tokenizer")
+
+
+def test_two_teachers_are_planned_as_the_sum_of_their_encodings(tiny_models, tiny_data, tmp_path):
+    device = device_for("h100", None, None)
+    flags = tiny_run_flags(tiny_models, tiny_data, tmp_path / "plan", max_samples_phase1=64, max_samples_phase2=48)
+    one = make_plan(load_config([*flags, "--use_projection", "False"]), device)
+    teachers = f"{tiny_models['teacher']},{tiny_models['teacher']}"
+    two = make_plan(load_config([*flags, "--use_projection", "False", "--teacher_model", teachers]), device)
+    assert two.teacher_flops == pytest.approx(2 * one.teacher_flops)
+    assert two.parameters["teacher"] == 2 * one.parameters["teacher"]
+    assert two.cache_bytes > 2 * one.cache_bytes  # each member's entries, and the combination's
