@@ -72,7 +72,7 @@ def make_source(config: Config, device: torch.device, caches: Caches, phase1: bo
             from distill.teachers.endpoint import EndpointTeacher
 
             return EndpointTeacher.from_config(named, config.performance.teacher_batch_size)
-        return LocalTeacher(TeacherSpec.from_config(named, device))
+        return LocalTeacher(TeacherSpec.from_config(named, device), name)
 
     names = teacher_names(models)
     model: Source | None = one(names[0]) if len(names) == 1 else None

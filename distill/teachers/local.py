@@ -225,9 +225,9 @@ class LocalTeacher:
 
     cost_note: str | None = None
 
-    def __init__(self, spec: TeacherSpec):
+    def __init__(self, spec: TeacherSpec, name: str | None = None):
         self.spec = spec
-        self.name = spec.path
+        self.name = name or spec.path  # as the flags name it (a Hub name rather than the folder it resolved to)
         self.model: SentenceTransformer | None = None
         self.loaded = False  # whether it was loaded to encode (it is freed afterwards)
         self.load_seconds = 0.0  # importing sentence-transformers, reading the weights, moving them to the device

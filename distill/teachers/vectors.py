@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from distill.cache import Role
+from distill.data import pick_column
 from distill.errors import DistillError
 from distill.teachers.base import Caches, Encoder, Source
 
@@ -225,13 +226,7 @@ def _read_jsonl(path: Path) -> tuple[list[str], np.ndarray]:
 
 
 def _column(row: dict, names: tuple[str, ...], path: Path, what: str) -> str:
-    found = next((name for name in names if name in row), None)
-    if found is None:
-        raise DistillError(
-            f"teacher_vectors: {path} has no {what} column: expected one of {', '.join(names)}, found "
-            f"{', '.join(map(str, row)) or 'none'}; rename the column"
-        )
-    return found
+    return pick_column([row], names, f"teacher_vectors {path}", what)
 
 
 def _checked(path: Path, texts: list[str], vectors: np.ndarray) -> tuple[list[str], np.ndarray]:
