@@ -348,12 +348,12 @@ def test_shipped_minilm_on_embedded_data_gets_closer_to_the_teacher(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    ("use_projection", "accumulation", "form"),
-    [(True, 1, "relaunch"), (False, 2, "run_ddp.sh")],
-    ids=["projection-relaunch", "matryoshka-accumulating-run_ddp"],
+    ("use_projection", "accumulation", "form", "teachers"),
+    [(True, 1, "relaunch", 1), (False, 2, "run_ddp.sh", 1), (False, 1, "relaunch", 2)],
+    ids=["projection-relaunch", "matryoshka-accumulating-run_ddp", "two-teachers-relaunch"],
 )
 def test_two_processes_match_one_process_with_twice_the_batch(
-    tiny_models, tiny_data, tmp_path, use_projection, accumulation, form
+    tiny_models, tiny_data, tmp_path, use_projection, accumulation, form, teachers
 ):
     """2 processes x batch 4 follow 1 process x batch 8 (losses, weights), both phases, every loss, both modes.
 
@@ -365,7 +365,8 @@ def test_two_processes_match_one_process_with_twice_the_batch(
 
     The two processes start the ways distill starts them itself: `python -m distill.train --num_processes 2`
     (which must not run on one process) and `./run_ddp.sh 2 False` (without a GPU: CPU processes over gloo that
-    say so, on tcmalloc when it is installed).
+    say so, on tcmalloc when it is installed). With two teachers combined, each member is encoded, cached and scored
+    through the collectives of its own cache, inside the combination's.
     """
     two, one = tmp_path / "two", tmp_path / "one"
     common = {
@@ -375,7 +376,10 @@ def test_two_processes_match_one_process_with_twice_the_batch(
         "use_projection": use_projection,
         "gradient_accumulation_steps": accumulation,
     }
-    if not use_projection:  # phase 1 against another model: its vectors and basis reach every process too
+    if teachers == 2:  # the tiny teacher and the 64-d model as one 112-d teacher
+        common["teacher_model"] = f"{tiny_models['teacher']},{tiny_models['wide_student']}"
+        common["teacher_weights"] = "1,2"
+    elif not use_projection:  # phase 1 against another model: its vectors and basis reach every process too
         common["phase1_teacher_model"] = tiny_models["wide_student"]
     flags_two = tiny_run_flags(tiny_models, tiny_data, two, batch_size=4, **common)
     if form == "relaunch":
@@ -394,6 +398,8 @@ def test_two_processes_match_one_process_with_twice_the_batch(
     assert main(tiny_run_flags(tiny_models, tiny_data, one, batch_size=8, **common)) == 0
     assert results_of(two)["world_size"] == 2 and results_of(one)["world_size"] == 1
     assert results_of(two)["mode"] == results_of(one)["mode"] == ("projection" if use_projection else "matryoshka")
+    members = teachers if teachers > 1 else 0  # a combined teacher's members are scored apart
+    assert len(results_of(two).get("teachers") or {}) == len(results_of(one).get("teachers") or {}) == members
     weights_two, weights_one = exported_weights(two), exported_weights(one)
     assert weights_two.keys() == weights_one.keys()
     start = load_file(str(Path(tiny_models["student"]) / "model.safetensors"))
