@@ -336,3 +336,15 @@ def test_a_run_with_two_teachers_scores_each_and_the_combination(tiny_models, ti
     assert results["efficiency"]["teacher"]["parameters"] > results["efficiency"]["student"]["parameters"]
     with pytest.raises(DistillError, match=r"teacher_weights: gives 3 weights for 2 teachers"):
         load_config([*flags, "--teacher_weights", "1,1,1"])
+
+
+def test_a_run_without_a_teacher_stops_with_one_line(tiny_models, tiny_data, tmp_path, capsys) -> None:
+    flags = tiny_run_flags(tiny_models, tiny_data, tmp_path / "none")
+    flags[flags.index("--teacher_model") : flags.index("--teacher_model") + 2] = []
+    assert main(flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "error: teacher_model: expected a Hub name, a model folder or openai/<model>, got nothing; pass "
+        "--teacher_model (or --teacher_vectors with vectors computed before)"
+    ]
+    assert not (tmp_path / "none" / "results.json").exists()

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from distill.errors import DistillError
 from distill.teachers.base import ENDPOINT_PREFIX, CachedSource, Caches, Encoder, Source
 
 if TYPE_CHECKING:
@@ -29,8 +30,6 @@ __all__ = ["ENDPOINT_PREFIX", "CachedSource", "Caches", "Encoder", "Source", "ma
 
 def check_teacher(config: ModelConfig) -> None:
     """A run needs a teacher: a model, an endpoint or a vectors file (checked before anything is read or written)."""
-    from distill.errors import DistillError
-
     if config.teacher_model is None and config.teacher_vectors is None:
         raise DistillError(
             "teacher_model: expected a Hub name, a model folder or openai/<model>, got nothing; pass --teacher_model "
