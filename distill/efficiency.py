@@ -120,9 +120,14 @@ def cpu_model() -> str:
 
 
 def cpu_matmul_flops(seconds: float = 0.3, repeats: int = 3) -> float:
-    """This machine's float32 matmul rate (FLOP/s) on the threads torch uses: the best of `repeats` timings."""
+    """This machine's float32 matmul rate (FLOP/s) on the threads torch uses: the best of `repeats` timings.
+
+    Its random matrices come from a generator of its own: drawn from torch's global one, they would shift the
+    student's dropout masks by whether a run had to time its teacher (a cold cache) or not.
+    """
     n = 1024
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=generator), torch.randn(n, n, generator=generator)
     a @ b  # warm-up
     best = 0.0
     for _ in range(repeats):

@@ -202,3 +202,14 @@ def test_the_student_is_timed_in_the_teachers_dtype_and_left_as_it_was(accelerat
     assert found.student.weights_bytes == weights_bytes(student)  # the exported float32 weights, not the copy's
     assert all(p.dtype == torch.float32 for p in student.parameters())  # timed on a copy
     assert "in bfloat16" in cost_table({"efficiency": found.to_dict()})
+
+
+def test_timing_the_cpu_draws_nothing_from_torchs_global_generator() -> None:
+    """A run that times its teacher (cold cache) and one that reads the kept figures train the same student."""
+    from distill.efficiency import cpu_matmul_flops
+
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    cpu_matmul_flops(seconds=0.01, repeats=1)
+    assert torch.equal(torch.rand(4), expected)
