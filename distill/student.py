@@ -483,12 +483,9 @@ def check_declared_dimensions(model_config: ModelConfig) -> None:
         return
     teacher = local_model(model_config)  # an endpoint's or a file's width is known once it answers
     teacher_dim = declared_dimension(resolve_model(teacher, model_config.teacher_revision)) if teacher else None
-    if is_static(model_config.student_model):  # a folder's table is read when loaded; a distilled one is this wide
-        student_dim = (
-            None
-            if ":" not in model_config.student_model and model_config.student_model != "static"
-            else (model_config.student_dim or STATIC_DIM)
-        )
+    if is_static(model_config.student_model):
+        folder = Path(model_config.student_model).expanduser().is_dir()  # its table's width is read when loaded
+        student_dim = None if folder else model_config.student_dim or STATIC_DIM  # a distilled table is this wide
     else:
         student_dim = declared_dimension(resolve_model(model_config.student_model))
     if teacher_dim and student_dim:

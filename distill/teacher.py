@@ -38,7 +38,7 @@ from distill.data import DistillData, EvalSet, EvalVectors, passage_texts
 from distill.distributed import everyone, main_decides, progress_bar, smallest, writes_for_this_machine
 from distill.efficiency import CostTexts, ModelCost, TeacherCosts, device_label
 from distill.errors import DistillError
-from distill.teachers import Encoder, Source, make_source, members_of
+from distill.teachers import CachedSource, Encoder, Source, make_source, members_of
 
 logger = get_logger(__name__)
 
@@ -332,8 +332,8 @@ def embed_with_teacher(
     if data.evaluation is not None:
         evaluation = eval_vectors(cache, data.evaluation)
         for member in members_of(cache.source):  # a combined teacher's members, scored apart too (cached)
-            members[member.name] = eval_vectors(caches(member), data.evaluation)
-            member.release()
+            members[member.source.name] = eval_vectors(member, data.evaluation)
+            member.source.release()
     seconds["evaluation"] = cache.seconds - started - seconds["phase2"]
     loaded = cache.loaded or phase1_loaded
     cost = None
@@ -352,7 +352,7 @@ def embed_with_teacher(
     )
 
 
-def eval_vectors(cache: TeacherCache, evaluation: EvalSet) -> EvalVectors:
+def eval_vectors(cache: CachedSource, evaluation: EvalSet) -> EvalVectors:
     """A teacher's unit vectors of the evaluation set's queries, corpus and STS texts, through its cache."""
 
     def embed(texts: list[str], role: Role) -> np.ndarray:

@@ -18,6 +18,8 @@ tokens in its mean, so the two folders differ for texts with tokens outside the 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -106,9 +108,12 @@ def distilled_embedding(source: str, dim: int, cache_dir: Path) -> Any:
                 'pip install "model2vec>=0.10" "skeletoken>=0.6,<0.7"'
             ) from None
         model = distill(path, pca_dims=dim)
-        staging = kept.with_name(f".{kept.name}.partial")
+        staging = kept.with_name(f".{kept.name}.partial-{os.getpid()}")
         model.save_pretrained(str(staging))
-        staging.replace(kept) if not kept.exists() else None
+        try:
+            staging.replace(kept)  # whole or not at all
+        except OSError:  # another machine sharing the folder kept it first
+            shutil.rmtree(staging, ignore_errors=True)
     model = StaticModel.from_pretrained(str(kept), force_download=False)
     return StaticEmbedding(model.tokenizer, embedding_weights=np.asarray(model.embedding), base_model=source)
 

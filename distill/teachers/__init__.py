@@ -48,9 +48,10 @@ def local_model(config: ModelConfig) -> str | None:
     return names[0] if len(names) == 1 and not names[0].startswith(ENDPOINT_PREFIX) else None
 
 
-def members_of(source: Source) -> list[Source]:
-    """The teachers a combined teacher is made of (distill/teachers/ensemble.py); none for any other."""
-    return list(getattr(source, "members", []))
+def members_of(source: Source) -> list[CachedSource]:
+    """The caches of the teachers a combined teacher is made of (distill/teachers/ensemble.py); none for any
+    other. The combination made them on every process, so their keys are known."""
+    return list(getattr(source, "member_caches", []))
 
 
 def make_source(config: Config, device: torch.device, caches: Caches, phase1: bool = False) -> Source:

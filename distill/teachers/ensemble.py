@@ -68,11 +68,6 @@ class EnsembleTeacher:
             member.release()  # one member's model in memory at a time
         return vectors
 
-    @property
-    def seconds(self) -> float:
-        """The members' time encoding (their caches count it; the combination itself is a concatenation)."""
-        return sum(cache.seconds for cache in self.member_caches)
-
     def encoder(self, accelerator: Accelerator, texts: list[str], role: Role) -> Encoder:
         parts = self.member_embeddings(texts, role)
         scales = [float(np.sqrt(w)) for w in self.weights]
