@@ -167,6 +167,9 @@ def length_chunks(lengths: np.ndarray, max_chunks: int, min_saving: float = CHUN
     return [order[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
 
 
+LOADER_WORKERS = 2  # on a GPU: processes collating the next batches (make_loader)
+
+
 class LengthGroupedBatchSampler:
     """Deterministic global batches of similar-length samples, reshuffled every epoch.
 
@@ -275,9 +278,22 @@ def make_loader(
     seed: int,
     collate: Callable[[list[int]], dict],
 ) -> DataLoader:
-    """A DataLoader of global length-grouped batches, for `accelerator.prepare`."""
+    """A DataLoader of global length-grouped batches, for `accelerator.prepare`.
+
+    On a GPU, two worker processes collate the next batches while the GPU runs this one, into pinned memory
+    that Accelerate copies without blocking (`make_accelerator`). On a CPU the batches are collated in the
+    training process: a worker would take a core from the step.
+    """
     sampler = LengthGroupedBatchSampler(lengths, global_batch_size, seed)
-    return DataLoader(_Indices(len(lengths)), batch_sampler=sampler, collate_fn=collate)
+    workers = LOADER_WORKERS if torch.cuda.is_available() else 0
+    return DataLoader(
+        _Indices(len(lengths)),
+        batch_sampler=sampler,
+        collate_fn=collate,
+        num_workers=workers,
+        pin_memory=workers > 0,
+        persistent_workers=workers > 0,
+    )
 
 
 def map_sharded(

@@ -295,7 +295,8 @@ def make_accelerator(config: Config, resuming: bool = False) -> Accelerator:
         project_dir=config.output.output_dir,
         mixed_precision=performance.mixed_precision,
         gradient_accumulation_steps=t.gradient_accumulation_steps,
-        dataloader_config=DataLoaderConfiguration(split_batches=True),  # global batches, split over processes
+        # global batches, split over processes; on a GPU copied from pinned memory while the host runs on
+        dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=torch.cuda.is_available()),
         kwargs_handlers=handlers,
         # without --torch_compile, None: the dynamo settings of the accelerate config, if any
         dynamo_plugin=compile_plugin() if performance.torch_compile else None,
@@ -364,6 +365,37 @@ def smallest(accelerator: Accelerator, value: int) -> int:
         return value
     values = accelerator.gather(torch.tensor([value], dtype=torch.int64, device=accelerator.device))
     return int(values.min())
+
+
+_HOST_GROUP: list = []  # the gloo group `any_process` agrees over, made once per process
+
+
+def host_group(accelerator: Accelerator) -> object | None:
+    """A process group whose collectives run on the CPU: the default group on CPUs, a gloo group beside NCCL.
+
+    Made on every process at the same point (`new_group` is collective); None for one process.
+    """
+    if accelerator.num_processes == 1:
+        return None
+    if not _HOST_GROUP:
+        backend = dist.get_backend()
+        _HOST_GROUP.append(dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo"))
+    return _HOST_GROUP[0]
+
+
+def any_process(accelerator: Accelerator, flags: tuple[bool, ...]) -> tuple[bool, ...]:
+    """Each flag or-ed over every process, agreed on the CPU: the GPU's queue is neither waited for nor touched.
+
+    The training loop agrees on a stop signal (SIGTERM, Ctrl-C) every optimizer step this way, so every
+    process stops at the same step, without the per-step GPU synchronisation a device collective read by the
+    host would cost.
+    """
+    group = host_group(accelerator)
+    if group is None:
+        return flags
+    values = torch.tensor([int(f) for f in flags], dtype=torch.int64)
+    dist.all_reduce(values, group=group)
+    return tuple(bool(v) for v in values.tolist())
 
 
 def progress_bar(

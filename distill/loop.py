@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from distill.allocator import release_freed_memory
 from distill.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from distill.config import Config
-from distill.distributed import progress_bar
+from distill.distributed import any_process, progress_bar
 from distill.errors import TrainingStopped, memory_message
 from distill.phases import Phase
 from distill.signals import PREEMPTION
@@ -77,21 +77,6 @@ def make_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, linear)
 
 
-def batch_verdict(
-    accelerator: Accelerator, reported: torch.Tensor, stops: tuple[bool, bool]
-) -> tuple[float, tuple[bool, bool]]:
-    """(the batch's loss averaged over all ranks, (whether any rank got SIGTERM, whether any got SIGINT)).
-
-    One collective, one host read. Called once backward is queued, so a GPU runs the backward pass while the host
-    waits for the loss, and the optimizer step is still to come, so a non-finite loss can stop the run with the
-    weights intact. The stop flags travel in the same reduction, so a step costs one blocking collective, not two.
-    """
-    reported = reported.detach().float().reshape(1)
-    flags = torch.cat([reported, *(reported.new_full((1,), float(s)) for s in stops)])  # made on the device: no copy
-    total, terminated, interrupted = accelerator.reduce(flags, reduction="sum").tolist()
-    return total / accelerator.num_processes, (terminated > 0, interrupted > 0)
-
-
 @dataclass
 class CheckpointSettings:
     output_dir: Path
@@ -99,66 +84,158 @@ class CheckpointSettings:
     limit: int  # checkpoints kept
 
 
-class Guard:
-    """The loop's rare exits and upkeep, consulted once a batch (`verdict`) and once an optimizer step (`after_step`).
+READ_EVERY = 16  # optimizer steps between the host's reads of the losses (and before checkpoints, evaluations, ends)
 
-    - A non-finite loss stops the run before the optimizer step, with a checkpoint of the weights before it.
-    - SIGTERM (preemption) or Ctrl-C on any rank stops every rank at the same step, with a checkpoint.
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer can skip a step on the device when told a loss was not finite (`found_inf`).
+
+    torch's fused AdamW takes a `found_inf` tensor and leaves weights, moments and step counts untouched where
+    it is non-zero: the loop then never has to read a loss before stepping. fp16's gradient scaler sets that
+    tensor itself, and other optimizers have none: there the loss is read before every step.
+    """
+    inner = getattr(optimizer, "optimizer", optimizer)
+    fused = any(group.get("fused") for group in inner.param_groups)
+    return fused and getattr(optimizer, "scaler", None) is None
+
+
+@dataclass
+class StepRecord:
+    """An optimizer step whose loss the host has not read yet, and where the run stood before it."""
+
+    loss: torch.Tensor  # 0-d, the step's mean loss over its micro-batches and processes, on the device
+    lr: float
+    global_step: int  # the trackers' x axis
+    before: Snapshot
+
+
+@dataclass
+class Snapshot:
+    """Where the run stood at the start of an accumulation window: what a rollback to it restores."""
+
+    batches_done: int
+    train_samples: int
+    optimizer_steps: int
+    accelerator_step: int
+    scheduler: dict
+    phase: dict[str, torch.Tensor]
+
+
+class Window:
+    """The micro-batches of the accumulation window in progress, their losses on the device, and where it started."""
+
+    def __init__(self, accelerator: Accelerator, run: Prepared, phase: Phase, state: TrainingState):
+        self.accelerator, self.run, self.phase = accelerator, run, phase
+        self.losses: list[torch.Tensor] = []
+        self.start = self.snapshot(state)
+
+    def snapshot(self, state: TrainingState) -> Snapshot:
+        return Snapshot(
+            state.batches_done,
+            state.train_samples,
+            state.optimizer_steps,
+            self.accelerator.step,
+            self.run.scheduler.state_dict(),
+            self.phase.state_dict(),  # references to tensors that are replaced, never changed in place
+        )
+
+    def close(self, state: TrainingState) -> StepRecord:
+        """The optimizer step was taken: its record; the next window starts here."""
+        record = StepRecord(
+            torch.stack(self.losses).mean(), self.run.scheduler.get_last_lr()[0], state.global_step(), self.start
+        )
+        self.losses.clear()
+        self.start = self.snapshot(state)
+        return record
+
+    def restore(self, state: TrainingState, snapshot: Snapshot) -> None:
+        """Put the counters, the schedule and the phase's state back to `snapshot` (the weights already are)."""
+        state.batches_done, state.train_samples = snapshot.batches_done, snapshot.train_samples
+        state.optimizer_steps = snapshot.optimizer_steps
+        self.accelerator.step = state.accelerator_step = snapshot.accelerator_step
+        self.run.scheduler.load_state_dict(snapshot.scheduler)
+        for group, lr in zip(self.run.optimizer.param_groups, snapshot.scheduler["_last_lr"]):
+            group["lr"] = lr
+        self.phase.load_state_dict(snapshot.phase, self.accelerator.device)
+
+
+class Guard:
+    """The loop's rare exits, its reads of the losses and its upkeep.
+
+    The host reads the losses every READ_EVERY optimizer steps (`read`), not every batch: a GPU's queue is
+    never drained mid-run, and the host runs ahead of it. So that nothing is lost by reading late:
+    - A non-finite loss marks the run as poisoned on the device; every optimizer step from then on is skipped
+      there (`found_inf`), so the weights stay those from before it. At the next read the run rolls back to the
+      start of that step's window and stops with a checkpoint (exit code 3). Optimizers that cannot skip on the
+      device (`skips_on_device`) have the loss read before every step instead.
+    - SIGTERM (preemption) or Ctrl-C on any process stops every process at the same step, with a checkpoint,
+      agreed every step by a collective on the CPU (`any_process`).
     - On a CPU the heap is trimmed every TRIM_EVERY steps.
-    Both stops raise `TrainingStopped`; the decision travels with the loss in one collective (`batch_verdict`).
+    Both stops raise `TrainingStopped`.
     """
 
-    def __init__(self, accelerator: Accelerator, phase: str, checkpoint: Callable[[], Path]):
-        self.accelerator, self.phase, self.checkpoint = accelerator, phase, checkpoint
-        self.terminated = self.interrupted = False
+    def __init__(self, accelerator: Accelerator, phase: Phase, run: Prepared, checkpoint: Callable[[], Path]):
+        self.accelerator, self.phase, self.run, self.checkpoint = accelerator, phase, run, checkpoint
+        self.deferred = skips_on_device(run.optimizer)
+        self.poisoned = torch.zeros((), device=accelerator.device)  # 1 once any loss was not finite
+        self.pending: list[StepRecord] = []
         PREEMPTION.install()
 
-    def verdict(self, reported: torch.Tensor, state: TrainingState, window: Window) -> float:
-        """The batch's loss averaged over all ranks; stops the run if it is not finite."""
-        signals = (PREEMPTION.requested, PREEMPTION.interrupted)
-        global_loss, (terminated, interrupted) = batch_verdict(self.accelerator, reported, signals)
-        self.terminated, self.interrupted = self.terminated or terminated, self.interrupted or interrupted
-        if not math.isfinite(global_loss):  # before the optimizer step: the weights are still good
-            state.batches_done, state.train_samples = window.start_batches, window.start_samples
-            path = self.checkpoint()
-            raise TrainingStopped(
-                f"non-finite loss ({global_loss}) in {self.phase} at optimizer step {state.optimizer_steps + 1} "
-                f"(epoch {state.epoch}); the checkpoint from before it is {path}; lower the learning rate or use "
-                "--mixed_precision bf16/no, then --resume_from_checkpoint",
-                exit_code=3,
-            )
-        return global_loss
+    def observe(self, reported: torch.Tensor, state: TrainingState, window: Window) -> None:
+        """After backward: the batch's loss over all processes, kept on the device; the step is skipped if it is
+        not finite."""
+        loss = self.accelerator.reduce(reported.detach().float().reshape(()), reduction="sum")
+        window.losses.append(loss / self.accelerator.num_processes)
+        self.poisoned = torch.maximum(self.poisoned, (~torch.isfinite(loss)).float())
+        if self.deferred:
+            inner = getattr(self.run.optimizer, "optimizer", self.run.optimizer)
+            inner.found_inf = self.poisoned  # read by the fused kernel on the device: no host synchronisation
+        elif not math.isfinite(window.losses[-1].item()):  # before the optimizer step: the weights are still good
+            self.stop_non_finite(window.losses[-1].item(), state, window, window.start)
 
-    def after_step(self, state: TrainingState, evaluation_due: bool) -> None:
-        """Stop with a checkpoint if a signal came (the evaluation due is left to the resumed run); trim the heap."""
-        if self.terminated or self.interrupted:  # decided collectively: every rank stops at the same step
-            name, code = ("SIGTERM", 143) if self.terminated else ("SIGINT", 130)
+    def read(self, state: TrainingState, window: Window, progress: tqdm) -> None:
+        """The host reads the pending steps' losses (one transfer): they go to the state, the bar and the trackers."""
+        if not self.pending:
+            return
+        values = torch.stack([r.loss for r in self.pending]).tolist()
+        pending, self.pending = self.pending, []
+        name = self.phase.settings.name
+        for record, value in zip(pending, values):
+            if not math.isfinite(value):
+                self.stop_non_finite(value, state, window, record.before)
+            state.losses.append(value)
+            # counted on over the phases: the trackers' x axis goes on
+            self.accelerator.log({f"{name}/loss": value, f"{name}/lr": record.lr}, step=record.global_step)
+        progress.set_postfix(loss=f"{values[-1]:.4f}", lr=f"{pending[-1].lr:.2e}", refresh=False)
+
+    def stop_non_finite(self, value: float, state: TrainingState, window: Window, before: Snapshot) -> None:
+        window.restore(state, before)
+        path = self.checkpoint()
+        raise TrainingStopped(
+            f"non-finite loss ({value}) in {self.phase.name} at optimizer step {state.optimizer_steps + 1} "
+            f"(epoch {state.epoch}); the checkpoint from before it is {path}; lower the learning rate or use "
+            "--mixed_precision bf16/no, then --resume_from_checkpoint",
+            exit_code=3,
+        )
+
+    def after_step(self, state: TrainingState, window: Window, progress: tqdm, evaluation_due: bool) -> None:
+        """Read the losses when due; stop with a checkpoint if a signal came (the evaluation due is left to the
+        resumed run); trim the heap."""
+        terminated, interrupted = any_process(self.accelerator, (PREEMPTION.requested, PREEMPTION.interrupted))
+        if terminated or interrupted or len(self.pending) >= READ_EVERY or not self.deferred:
+            self.read(state, window, progress)
+        if terminated or interrupted:  # decided collectively: every process stops at the same step
+            name, code = ("SIGTERM", 143) if terminated else ("SIGINT", 130)
             PREEMPTION.clear()
             state.evaluation_pending = evaluation_due  # a preemption's grace period is short
             path = self.checkpoint()
             raise TrainingStopped(
-                f"stopped by {name} in {self.phase} at optimizer step {state.optimizer_steps}; checkpoint "
+                f"stopped by {name} in {self.phase.name} at optimizer step {state.optimizer_steps}; checkpoint "
                 f"saved to {path}; continue with --resume_from_checkpoint latest",
                 exit_code=code,
             )
         if TRIM_EVERY and self.accelerator.device.type == "cpu" and state.optimizer_steps % TRIM_EVERY == 0:
             release_freed_memory()
-
-
-@dataclass
-class Window:
-    """The micro-batches of the gradient-accumulation window in progress, and where it started."""
-
-    start_batches: int  # batches done at the last optimizer step: where a resume restarts
-    start_samples: int  # likewise the samples
-    losses: list[float]
-
-    def close(self, state: TrainingState) -> float:
-        """The optimizer step was taken: the window's mean loss; the next window starts here."""
-        mean_loss = sum(self.losses) / len(self.losses)
-        self.losses.clear()
-        self.start_batches, self.start_samples = state.batches_done, state.train_samples
-        return mean_loss
 
 
 class Clock:
@@ -272,7 +349,7 @@ def train_phase(
 
     resume_phase(accelerator, phase, run, state, resume)
     clock = Clock(state.train_seconds)  # a resumed phase goes on counting from its checkpoint
-    guard, window = Guard(accelerator, phase.name, checkpoint), Window(state.batches_done, state.train_samples, [])
+    guard, window = Guard(accelerator, phase, run, checkpoint), Window(accelerator, run, phase, state)
     run.wrapped.train()
     progress = progress_bar(accelerator, run.total_steps, phase.name, done=state.optimizer_steps)
     if state.evaluation_pending:  # stopped at an evaluation step before evaluating: that evaluation comes first
@@ -287,14 +364,19 @@ def train_phase(
                 state.train_samples += sampler.batch_size
                 if not accelerator.sync_gradients:
                     continue
-                step_taken(accelerator, phase, run, state, window.close(state), clock.seconds(), progress)
+                step_taken(accelerator, phase, state, guard, window, clock.seconds(), progress)
                 due = evaluate is not None and eval_steps > 0 and state.optimizer_steps % eval_steps == 0
-                guard.after_step(state, due)  # may stop the run
+                saves = checkpoints.every and state.optimizer_steps % checkpoints.every == 0
+                if due or saves:  # evaluations and checkpoints see every loss so far
+                    guard.read(state, window, progress)
+                guard.after_step(state, window, progress, due)  # may stop the run
                 if due:
-                    evaluate_now()  # on every rank
-                if checkpoints.every and state.optimizer_steps % checkpoints.every == 0:
+                    evaluate_now()  # on every process
+                if saves:
                     clock.pause(checkpoint)
-            state.batches_done = window.start_batches = 0
+            guard.read(state, window, progress)  # a stop at the epoch's end rolls back within the epoch
+            state.batches_done = 0
+            window.start = window.snapshot(state)
     finally:
         progress.close()
     state.epoch, state.train_seconds = phase.settings.epochs, clock.seconds()
@@ -316,7 +398,7 @@ def train_step(
         loss, reported = phase.loss(accelerator, run.wrapped, batch)
         scale = loss_scale(accelerator, run, state.batches_done)
         accelerator.backward(loss if scale is None else loss * scale)
-        window.losses.append(guard.verdict(reported, state, window))  # may stop the run
+        guard.observe(reported, state, window)  # may stop the run, or mark this step to be skipped
         if accelerator.sync_gradients and phase.settings.max_grad_norm > 0:
             accelerator.clip_grad_norm_(run.wrapped.parameters(), phase.settings.max_grad_norm)
         run.optimizer.step()
@@ -350,24 +432,19 @@ def resume_phase(
 def step_taken(
     accelerator: Accelerator,
     phase: Phase,
-    run: Prepared,
     state: TrainingState,
-    mean_loss: float,
+    guard: Guard,
+    window: Window,
     seconds: float,
     progress: tqdm,
 ) -> None:
-    """Bookkeeping of an optimizer step: the phase's memory, the state, the bar, the trackers."""
+    """Bookkeeping of an optimizer step: the phase's memory, the state, the bar; its loss waits for `Guard.read`."""
     phase.step_taken()
     state.optimizer_steps += 1
     state.accelerator_step = accelerator.step
-    state.losses.append(mean_loss)
     state.train_seconds = seconds
-    lr = run.scheduler.get_last_lr()[0]
+    guard.pending.append(window.close(state))
     progress.update(1)
-    progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}", refresh=False)
-    name = phase.settings.name
-    # counted on over the phases: the trackers' x axis goes on
-    accelerator.log({f"{name}/loss": mean_loss, f"{name}/lr": lr}, step=state.global_step())
 
 
 def training_memory_message(

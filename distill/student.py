@@ -26,6 +26,7 @@ from distill.distributed import main_decides, progress_bar
 from distill.errors import DistillError
 from distill.hub import declared_dimension, load_sentence_transformer, resolve_model
 from distill.students import is_static, texts_for
+from distill.students.attention import use_fused_attention
 from distill.students.static import DEFAULT_DIM as STATIC_DIM
 from distill.students.static import load_static_student
 from distill.teachers import check_teacher, local_model
@@ -73,6 +74,7 @@ def load_student(
         prune_layers(student, num_layers)
     if max_seq_length is not None:
         student.max_seq_length = max_seq_length
+    use_fused_attention(student)  # MPNet: fused attention in place of transformers' eager one
     return student
 
 

@@ -120,3 +120,67 @@ def test_static_needs_a_model_to_distil_when_the_teacher_is_not_one(tmp_path: Pa
         DistillError, match=r"^student_model static distils the teacher's token vectors, .* static:<model>"
     ):
         load_static_student("static", "openai/text-embedding-3-small", 16, tmp_path)
+
+
+def tiny_mpnet(seed: int = 0):
+    from transformers import MPNetConfig, MPNetModel
+
+    torch.manual_seed(seed)
+    config = MPNetConfig(
+        vocab_size=120,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=80,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return MPNetModel(config)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_fused_mpnet_attention_equals_the_eager_forward_and_backward(training):
+    """fp32 on a CPU: hidden states and every gradient (the relative position bias's included) within 1e-5, with
+    padding in the batch and texts longer than the exact position buckets."""
+    from distill.students.attention import use_fused_attention
+
+    eager, fused = tiny_mpnet(), tiny_mpnet()
+    assert use_fused_attention(fused) == 1 and use_fused_attention(fused) == 0  # once only
+    lengths = torch.tensor([60, 37, 5, 60])
+    ids = torch.randint(3, 120, (4, 60))
+    mask = (torch.arange(60)[None, :] < lengths[:, None]).long()
+    ids = torch.where(mask.bool(), ids, 1)
+    outputs = []
+    for model in (eager, fused):
+        model.train(training)
+        hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        weights = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(3)) * mask[..., None]
+        (hidden * weights).sum().backward()  # linear in the states: a sum of squares would cancel in LayerNorm
+        outputs.append((hidden.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (eager_hidden, eager_grads), (fused_hidden, fused_grads) = outputs
+    real = mask.bool()
+    assert (eager_hidden[real] - fused_hidden[real]).abs().max() < 1e-5
+    assert eager_grads.keys() == fused_grads.keys() and "encoder.relative_attention_bias.weight" in fused_grads
+    for name, grad in eager_grads.items():
+        if name.endswith("k.bias"):  # a softmax ignores it (it shifts a query's scores alike): its gradient is rounding
+            continue
+        assert (grad - fused_grads[name]).norm() <= 1e-5 * grad.norm(), name
+
+
+def test_a_fused_mpnet_student_saves_and_loads_as_plain_mpnet(tmp_path):
+    """The switch touches forward methods only: the saved folder loads in plain transformers, same weights."""
+    from transformers import AutoModel
+
+    from distill.students.attention import use_fused_attention
+
+    model = tiny_mpnet()
+    use_fused_attention(model)
+    model.save_pretrained(tmp_path / "m")
+    loaded = AutoModel.from_pretrained(tmp_path / "m")
+    assert type(loaded.encoder.forward).__name__ == "method"  # transformers' own forward
+    ids = torch.randint(3, 120, (2, 9))
+    with torch.no_grad():
+        assert torch.allclose(
+            model(input_ids=ids).last_hidden_state, loaded(input_ids=ids).last_hidden_state, atol=1e-5
+        )

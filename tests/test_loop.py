@@ -1,0 +1,130 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from tests.conftest import reset_accelerate, tiny_run_flags
+
+DISTILL = str(Path(__file__).resolve().parent.parent / "distill")
+# Tensor methods that make the host wait for the tensor's value: on a GPU, a synchronisation with its queue.
+HOST_READS = {"item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__"}
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the host reads of tensors made by the toolkit's own code (frames under distill/)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in HOST_READS:
+            frame = sys._getframe(1)
+            while frame is not None and "/torch/" in frame.f_code.co_filename:
+                frame = frame.f_back
+            if frame is not None and frame.f_code.co_filename.startswith(DISTILL):
+                self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def reads_and_steps(monkeypatch, tiny_models, tiny_data, out: Path, read_every: int, **flags) -> tuple[int, list[int]]:
+    """(host reads by distill's code inside the training loop, optimizer steps of each phase) of a tiny run."""
+    import distill.loop
+    import distill.pipeline
+    from distill.train import main
+
+    monkeypatch.setattr(distill.loop, "READ_EVERY", read_every)
+    counter, steps = HostReads(), []
+    train_phase = distill.loop.train_phase
+
+    def counted(accelerator, model, phase, loader, state, *args, **kwargs):
+        with counter:
+            trained = train_phase(accelerator, model, phase, loader, state, *args, **kwargs)
+        steps.append(state.optimizer_steps)
+        return trained
+
+    monkeypatch.setattr(distill.pipeline, "train_phase", counted)
+    reset_accelerate()
+    argv = tiny_run_flags(tiny_models, tiny_data, out, eval_data="none", save_to_artifacts=False, **flags)
+    assert main(argv) == 0
+    return counter.count, steps
+
+
+def test_the_training_loop_reads_the_host_once_per_logging_interval(monkeypatch, tiny_models, tiny_data, tmp_path):
+    """Both phases, 2 epochs each: the losses reach the host once every READ_EVERY steps (and at each epoch's end),
+    not once a batch; the same run reading every step counts one read a step, so the count is not blind."""
+    flags = dict(phase1_epochs=2, phase2_epochs=2, teacher_cache_dir=tmp_path / "cache")
+    every_step, steps = reads_and_steps(monkeypatch, tiny_models, tiny_data, tmp_path / "a", 1, **flags)
+    assert every_step == sum(steps) and sum(steps) >= 40
+    read_every = 4
+    interval, same_steps = reads_and_steps(monkeypatch, tiny_models, tiny_data, tmp_path / "b", read_every, **flags)
+    assert same_steps == steps
+    per_epoch = [s // 2 for s in steps]
+    assert interval == sum(2 * -(-n // read_every) for n in per_epoch)
+
+
+def test_a_deferred_read_skips_the_steps_after_a_non_finite_loss_on_the_device():
+    """The fused AdamW step after a poisoned loss leaves weights, moments and step counts as they were."""
+    from distill.loop import skips_on_device
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
+    assert skips_on_device(optimizer) and not skips_on_device(torch.optim.AdamW([weight], lr=0.1))
+    weight.grad = torch.ones(3)
+    optimizer.step()
+    before = (
+        weight.detach().clone(),
+        optimizer.state[weight]["exp_avg"].clone(),
+        optimizer.state[weight]["step"].clone(),
+    )
+    optimizer.found_inf = torch.ones(())
+    weight.grad = torch.full((3,), float("nan"))
+    optimizer.step()
+    after = weight.detach(), optimizer.state[weight]["exp_avg"], optimizer.state[weight]["step"]
+    for b, a in zip(before, after):
+        assert torch.equal(b, a)
+
+
+@pytest.mark.parametrize("read_every", [1, 16])
+def test_a_non_finite_loss_read_late_rolls_back_to_its_step(monkeypatch, tiny_models, tiny_data, tmp_path, read_every):
+    """The 5th step's loss is not finite: read at once or 11 steps later, the checkpoint holds the weights, the
+    counters and the schedule of an unpoisoned run's 4th step, and the run stops with exit code 3."""
+    from safetensors.torch import load_file
+
+    import distill.loop
+    from distill.checkpoint import find_checkpoint, read_state
+    from distill.phases import AlignmentPhase
+    from distill.train import main
+
+    flags = dict(skip_phase2=True, eval_data="none", teacher_cache_dir=tmp_path / "cache")
+    reference = tmp_path / "reference"
+    assert (
+        main(tiny_run_flags(tiny_models, tiny_data, reference, checkpoint_steps=4, checkpoints_total_limit=10, **flags))
+        == 0
+    )
+    reset_accelerate()
+    monkeypatch.setattr(distill.loop, "READ_EVERY", read_every)
+    calls, phase_loss = [0], AlignmentPhase.loss
+
+    def poisoned(*args, **kwargs):
+        calls[0] += 1
+        loss, reported = phase_loss(*args, **kwargs)
+        return (loss * float("nan"), reported * float("nan")) if calls[0] == 5 else (loss, reported)
+
+    monkeypatch.setattr(AlignmentPhase, "loss", poisoned)
+    out = tmp_path / "nan"
+    assert main(tiny_run_flags(tiny_models, tiny_data, out, **flags)) == 3
+    assert calls[0] == (5 if read_every == 1 else 16)  # read late, the loop ran on to its next read
+    checkpoint, at_4 = find_checkpoint(out, "latest"), reference / "checkpoints" / "checkpoint-phase1-0000004"
+    state = read_state(checkpoint, {})
+    assert (state.optimizer_steps, state.batches_done, state.train_samples) == (4, 4, 32)
+    assert state.losses == pytest.approx(read_state(at_4, {}).losses, abs=0)
+    for name in ("scheduler.bin",):
+        got, want = (torch.load(c / name, weights_only=False) for c in (checkpoint, at_4))
+        assert got["last_epoch"] == want["last_epoch"] == 4 and got["_last_lr"] == want["_last_lr"]
+    got, want = (load_file(str(c / "model.safetensors")) for c in (checkpoint, at_4))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
