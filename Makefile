@@ -64,8 +64,9 @@ lint: $(STAMP)
 bench: $(ALLOCATOR)
 	$(BIN)/python bench/run.py --all $(BENCH_FLAGS)
 
-# The same student work on a CUDA GPU (mpnet student, bf16), about 5 minutes on one H100 or H200:
-# floor at three batch sizes, then toolkit vs peer vs floor. Uses the python that has CUDA torch
+# The same student work on a CUDA GPU (mpnet student, bf16), about 10 minutes on one H100 or H200:
+# floor at three batch sizes, toolkit vs peer vs floor, then where a step's time goes (kernels, host and
+# GPU time per step; BERT-base and a 7B-shaped teacher too). Uses the python that has CUDA torch
 # (PYTHON=...); `bench/gpu.sh --prepare` readies an offline machine's files (see bench/gpu.sh).
 bench-gpu:
 	bench/gpu.sh runs/bench-gpu

@@ -485,7 +485,8 @@ def run_teacher(args: argparse.Namespace, results: Results) -> None:
 
     from distill.batching import map_sharded
     from distill.config import ModelConfig
-    from distill.teacher import TeacherCache, TeacherSpec, load_teacher, token_lengths
+    from distill.teacher import TeacherCache
+    from distill.teachers.local import LocalTeacher, TeacherSpec, load_teacher, token_lengths
 
     accelerator = Accelerator()
     teacher_path, _ = models(args)
@@ -505,8 +506,9 @@ def run_teacher(args: argparse.Namespace, results: Results) -> None:
     for attempt in (1, 2):
         folder = args.workdir / f"teacher-cache-{attempt}"
         shutil.rmtree(folder, ignore_errors=True)
-        cache = TeacherCache(accelerator, spec, folder, batch)
-        cache.teacher = teacher  # loaded above: this times the fill alone
+        source = LocalTeacher(spec)
+        source.model = teacher  # loaded above: this times the fill alone
+        cache = TeacherCache(accelerator, source, folder, batch)
         cache.key(texts, "document")  # the weights' hash, outside the toolkit's teacher clock too
         _, found[f"toolkit_fill_{attempt}_seconds"] = timed(cache.embeddings, texts, "document")
         found[f"toolkit_fill_{attempt}_teacher_seconds"] = round(cache.seconds, 3)

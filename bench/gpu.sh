@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU benchmark as one script, sized for about 5 minutes on one H100 or H200 (`make bench-gpu`).
+# The GPU benchmark as one script, sized for about 10 minutes on one H100 or H200 (`make bench-gpu`).
 #
 #   bench/gpu.sh [OUT]            # OUT defaults to runs/bench-gpu
 #
@@ -8,7 +8,10 @@
 #   1. floor: the card's bf16 matmul rate, then the bare loop at batch 32, 256 and 1024 (fused AdamW);
 #   2. e2e: one cold and one warm toolkit run through torchrun (DDP on one GPU, NCCL), the peer
 #      (sentence-transformers' recipe) and the floor over the toolkit's own batches, batch 256.
-# Each part writes OUT/gpu-floor.json / OUT/gpu-e2e.json after every measurement, so a run cut short
+#   3. step: where a step's time goes (bench/gpu_step.py): kernels, host-busy and GPU-busy ms per step under
+#      torch.profiler, and the share of the matmul rate, for the mpnet student (eager and fused attention, and
+#      compiled), a BERT-base student at 32k real tokens a step, and a 7B-shaped decoder teacher encoding.
+# Each part writes OUT/gpu-floor.json / OUT/gpu-e2e.json / OUT/gpu-step.json after every measurement, so a run cut short
 # keeps what it measured.
 #
 # Offline machines (no Hub, no package index) read what `bench/gpu.sh --prepare` puts in .gpu/ and .whl/
@@ -29,6 +32,9 @@ from run import workload_texts
 source = Path(resolve_model("sentence-transformers/all-mpnet-base-v2"))
 shutil.rmtree(".gpu/mpnet", ignore_errors=True)
 shutil.copytree(source, ".gpu/mpnet", ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "onnx", "openvino"))
+source = Path(resolve_model("sentence-transformers/all-MiniLM-L6-v2"))  # BERT-base's tokenizer, for gpu_step.py
+shutil.rmtree(".gpu/minilm", ignore_errors=True)
+shutil.copytree(source, ".gpu/minilm", ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "onnx", "openvino"))
 Path(".gpu/texts-40000.txt").write_text("\n".join(workload_texts(40000)[0]) + "\n")
 EOF
     versions=$(.venv/bin/python -m pip list --format=freeze 2>/dev/null \
@@ -47,7 +53,9 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     $PYTHON -m pip install -q --no-index --no-deps --upgrade --target /tmp/distill-site .whl/*.whl
     export PYTHONPATH=/tmp/distill-site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
+BERT=sentence-transformers/all-MiniLM-L6-v2
 if [ -d .gpu/mpnet ]; then MODEL=.gpu/mpnet; fi
+if [ -d .gpu/minilm ]; then BERT=.gpu/minilm; fi
 if [ -f .gpu/texts-40000.txt ]; then TEXTS=(--texts .gpu/texts-40000.txt); fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 mkdir -p "$OUT"
@@ -57,3 +65,6 @@ $PYTHON bench/gpu.py floor --model "$MODEL" --random_weights "${TEXTS[@]}" --sam
     --only b32-bf16-fused,b256-bf16-fused,b1024-bf16-fused --out "$OUT"
 $PYTHON bench/gpu.py e2e --model "$MODEL" --random_weights "${TEXTS[@]}" --samples 40000 \
     --batch_size 256 --repeats 1 --no_options --out "$OUT"
+# without .gpu/, the texts gpu.py wrote to its scratch folder
+$PYTHON bench/gpu_step.py --mpnet "$MODEL" --bert "$BERT" --texts "${TEXTS[1]:-/tmp/distill-gpu-bench/texts-40000.txt}" \
+    --out "$OUT"

@@ -199,11 +199,14 @@ def synchronize(device: str) -> None:
 
 def cached_teacher_vectors(spec: dict, texts: list[str]) -> np.ndarray:
     """The toolkit's own cached teacher vectors of `texts` (float16), looked up by the toolkit's cache key."""
+    from distill.cache import read_entry
     from distill.config import ModelConfig
-    from distill.teacher import TeacherCache, TeacherSpec, read_entry
+    from distill.teacher import TeacherCache
+    from distill.teachers.local import LocalTeacher, TeacherSpec
 
     config = ModelConfig(teacher_model=spec["teacher"], max_seq_length=spec["max_length"])
-    cache = TeacherCache(None, TeacherSpec.from_config(config, torch.device("cpu")), spec["cache_dir"], 1)
+    source = LocalTeacher(TeacherSpec.from_config(config, torch.device("cpu")))
+    cache = TeacherCache(None, source, spec["cache_dir"], 1)
     key = cache.key(texts, "document")
     vectors = read_entry(Path(spec["cache_dir"]).expanduser() / key, key, len(texts))
     if vectors is None:

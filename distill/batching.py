@@ -88,9 +88,7 @@ class TokenizedTexts:
         milliseconds of host time per step, which a GPU spends idle.
         """
         lengths = self.lengths[indices]
-        longest = int(lengths.max())
-        multiple = self.pad_to_multiple_of
-        width = max(longest, min(-(-longest // multiple) * multiple, self.max_length))
+        width = int(self.padded_widths(lengths.max()))
         columns = np.arange(width)[None, :]
         if self.padding_side == "left":
             columns = columns - (width - lengths)[:, None]  # position of each column inside its text
@@ -101,6 +99,11 @@ class TokenizedTexts:
         if self.with_token_types:
             features["token_type_ids"] = torch.zeros_like(features["input_ids"])
         return features
+
+    def padded_widths(self, longest: np.ndarray | int) -> np.ndarray:
+        """The padded width of a batch whose longest text has `longest` tokens (`features`' rounding)."""
+        multiple = self.pad_to_multiple_of
+        return np.maximum(longest, np.minimum(-(-np.asarray(longest) // multiple) * multiple, self.max_length))
 
     def chunked_features(self, indices: list[int], max_chunks: int) -> dict[str, object]:
         """These texts in at most `max_chunks` forward chunks of similar length (`length_chunks`).
@@ -216,6 +219,68 @@ class LengthGroupedBatchSampler:
             yield batches[index].tolist()
 
 
+class TokenBudgetBatchSampler:
+    """Global batches of as many similar-length texts as fit a token budget (`--max_tokens_per_batch`).
+
+    As fairseq's `max_tokens`: the texts sorted by length (ties in a new random order each epoch) are cut into
+    batches of at most `budget` padded tokens per process, a multiple of the process count each, and the batches
+    come in random order, the one with the most tokens first (see `LengthGroupedBatchSampler`). Short texts come
+    in large batches and long ones in small: a GPU gets about the same work every step. The cut points depend on
+    the lengths alone, so every epoch has the same number of batches and the schedule knows it up front.
+
+    Accelerate's `split_batches` hands each process `batch_size` items of a global batch: so each global batch is
+    yielded as one group of rows per process (`batch_size` = the process count), flattened by `GroupedCollate`.
+    """
+
+    def __init__(self, widths: np.ndarray, budget: int, processes: int, seed: int):
+        self.lengths = np.asarray(widths)  # padded widths: the sort key and the cost
+        self.processes, self.seed, self.epoch = processes, seed, 0
+        self.batch_size = processes  # one group of rows for each process
+        self.drop_last = True
+        self.sizes = self._cut(np.sort(self.lengths)[::-1], budget * processes)
+
+    def _cut(self, widths: np.ndarray, budget: int) -> list[int]:
+        """Rows of each batch, cutting the widths (longest first) greedily at the budget."""
+        sizes, start = [], 0
+        while start < len(widths):
+            rows = max(self.processes, int(budget // widths[start]) // self.processes * self.processes)
+            rows = min(rows, (len(widths) - start) // self.processes * self.processes)  # the last batch: what is left
+            if rows == 0:
+                break
+            sizes.append(rows)
+            start += rows
+        return sizes
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __iter__(self) -> Iterator[list[tuple[int, ...]]]:
+        rng = np.random.default_rng([self.seed, self.epoch])
+        shuffled = rng.permutation(len(self.lengths))
+        order = shuffled[np.argsort(-self.lengths[shuffled], kind="stable")]  # longest first, ties at random
+        ends = np.cumsum(self.sizes)
+        batches = [order[end - size : end] for end, size in zip(ends, self.sizes)]
+        sequence = rng.permutation(len(batches))
+        tokens = [len(batches[i]) * self.lengths[batches[i][0]] for i in sequence]
+        first = int(np.argmax(tokens))
+        sequence[[0, first]] = sequence[[first, 0]]
+        for index in sequence:
+            yield [tuple(group.tolist()) for group in np.split(batches[index], self.processes)]
+
+
+class GroupedCollate:
+    """A collate over the rows of `TokenBudgetBatchSampler`'s groups: this process's group, flattened."""
+
+    def __init__(self, collate: Callable[[list[int]], dict]):
+        self.collate = collate
+
+    def __call__(self, groups: list[tuple[int, ...]]) -> dict:
+        return self.collate([row for group in groups for row in group])
+
+
 class _Indices(Dataset):
     def __init__(self, size: int):
         self.size = size
@@ -277,19 +342,20 @@ def make_loader(
     global_batch_size: int,
     seed: int,
     collate: Callable[[list[int]], dict],
+    sampler: TokenBudgetBatchSampler | None = None,
 ) -> DataLoader:
-    """A DataLoader of global length-grouped batches, for `accelerator.prepare`.
+    """A DataLoader of global length-grouped batches (or `sampler`'s), for `accelerator.prepare`.
 
     On a GPU, two worker processes collate the next batches while the GPU runs this one, into pinned memory
     that Accelerate copies without blocking (`make_accelerator`). On a CPU the batches are collated in the
     training process: a worker would take a core from the step.
     """
-    sampler = LengthGroupedBatchSampler(lengths, global_batch_size, seed)
+    batches = sampler or LengthGroupedBatchSampler(lengths, global_batch_size, seed)
     workers = LOADER_WORKERS if torch.cuda.is_available() else 0
     return DataLoader(
         _Indices(len(lengths)),
-        batch_sampler=sampler,
-        collate_fn=collate,
+        batch_sampler=batches,
+        collate_fn=collate if sampler is None else GroupedCollate(collate),
         num_workers=workers,
         pin_memory=workers > 0,
         persistent_workers=workers > 0,

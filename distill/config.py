@@ -235,6 +235,13 @@ class PhaseConfig:
 @dataclass
 class TrainingConfig:
     batch_size: int = _opt(default=64, check=POSITIVE, help="Batch size per process.")
+    max_tokens_per_batch: int | None = _opt(
+        default=None,
+        check=POSITIVE,
+        help="Phase 1: batches of as many similar-length texts as fit this many padded tokens per process, in place "
+        "of --batch_size texts, so a GPU gets the same work every step whatever the texts' lengths (phase 2 keeps "
+        "--batch_size: its in-batch negatives).",
+    )
     seed: int = _opt(
         default=42,
         # numpy's and torch's seeding take no other

@@ -361,7 +361,7 @@ def train_phase(
             for batch in epoch_batches(accelerator, run, sampler, state):
                 train_step(accelerator, phase, run, batch, state, guard, window)
                 state.batches_done += 1
-                state.train_samples += sampler.batch_size
+                state.train_samples += phase.rows(batch) * accelerator.num_processes  # equal shares
                 if not accelerator.sync_gradients:
                     continue
                 step_taken(accelerator, phase, state, guard, window, clock.seconds(), progress)

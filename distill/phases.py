@@ -26,7 +26,14 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
 
-from distill.batching import Phase1Batches, Phase2Batches, TokenizedTexts, assemble_chunks, make_loader
+from distill.batching import (
+    Phase1Batches,
+    Phase2Batches,
+    TokenBudgetBatchSampler,
+    TokenizedTexts,
+    assemble_chunks,
+    make_loader,
+)
 from distill.checkpoint import PHASES as PHASE_ORDER
 from distill.config import Config
 from distill.data import DistillData, passage_texts
@@ -129,6 +136,10 @@ class Phase:
         """(loss to backpropagate, loss to report) for one batch."""
         raise NotImplementedError
 
+    def rows(self, batch: dict) -> int:
+        """The samples of this process in `batch`."""
+        raise NotImplementedError
+
     def to_device(self, device: torch.device) -> None:
         """Move what the loss uses on every batch to the training device, once."""
         if self.settings.teacher_basis is not None:
@@ -178,8 +189,16 @@ class AlignmentPhase(Phase):
     def loader(self, student: SentenceTransformer, data: DistillData, teacher: TeacherVectors) -> DataLoader:
         texts = self._tokenizer(student)(data.phase1_texts)
         self._warn_truncated(texts.truncated, student.max_seq_length)
-        global_batch = self.config.training.batch_size * self.world
-        return make_loader(texts.lengths, global_batch, self.config.training.seed, Phase1Batches(texts, teacher.phase1))
+        training = self.config.training
+        budget = None
+        if training.max_tokens_per_batch:
+            widths = texts.padded_widths(texts.lengths)
+            budget = TokenBudgetBatchSampler(widths, training.max_tokens_per_batch, self.world, training.seed)
+        collate = Phase1Batches(texts, teacher.phase1)
+        return make_loader(texts.lengths, training.batch_size * self.world, training.seed, collate, budget)
+
+    def rows(self, batch: dict) -> int:
+        return len(batch["teacher"])
 
     def loss(self, accelerator: Accelerator, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         dims, weights = self.settings.matryoshka_dims, self.settings.weights
@@ -211,6 +230,9 @@ class SimilarityPhase(Phase):
         self._warn_truncated(queries.truncated + passage_tokens.truncated, student.max_seq_length)
         global_batch = self.config.training.batch_size * self.world
         return make_loader(lengths, global_batch, self.config.training.seed, collate)
+
+    def rows(self, batch: dict) -> int:
+        return len(batch["teacher_queries"])
 
     def loss(self, accelerator: Accelerator, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         dims, weights = self.settings.matryoshka_dims, self.settings.weights

@@ -581,6 +581,10 @@ def training_flops(
         per_epoch += sum(3 * 2 * student.dim * projection_width * t.count for t in trained)  # projection mode
         flops[phase] = per_epoch * epochs[phase]
         batches = trained[0].count // (training.batch_size * processes)  # the last partial batch is dropped
+        if phase == "phase1" and training.max_tokens_per_batch:  # about; padding to each batch's longest left out
+            batches = max(
+                1, int(trained[0].count * trained[0].student_tokens / (training.max_tokens_per_batch * processes))
+            )
         steps[phase] = epochs[phase] * batches // training.gradient_accumulation_steps
     return flops, steps
 

@@ -444,3 +444,48 @@ def test_map_sharded_reports_a_single_item_that_does_not_fit(accelerator: Accele
     message = str(raised.value)
     assert message.startswith("out of device memory encoding a single text (CUDA out of memory. Tried to allocate")
     assert message.endswith("; lower --max_len") and "\n" not in message
+
+
+def test_token_budget_batches_fit_the_budget_and_keep_their_sizes_every_epoch() -> None:
+    """fairseq-style: each global batch is at most budget x processes padded tokens (a text wider than the budget
+    still gets one row per process), a multiple of the process count, the same sizes every epoch, no text twice."""
+    from distill.batching import TokenBudgetBatchSampler
+
+    widths = np.random.default_rng(0).integers(4, 120, size=1000)
+    sampler = TokenBudgetBatchSampler(widths, budget=512, processes=2, seed=3)
+    sizes = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        batches = [[row for group in batch for row in group] for batch in sampler]
+        assert len(batches) == len(sampler)
+        sizes.append(sorted(len(b) for b in batches))
+        for batch in batches:
+            assert len(batch) % 2 == 0
+            assert len(batch) * widths[batch].max() <= 1024 or len(batch) == 2
+        seen = [row for batch in batches for row in batch]
+        assert len(seen) == len(set(seen)) and len(seen) > 1000 - 2
+        tokens = [len(b) * widths[b].max() for b in batches]
+        assert tokens[0] == max(tokens)  # the batch with the most tokens first: a budget too large fails at once
+    assert sizes[0] == sizes[1] == sizes[2]
+    assert max(sizes[0]) > 4 * min(sizes[0])  # short texts in large batches, long ones in small
+    sampler.set_epoch(0)
+    first = list(sampler)
+    sampler.set_epoch(1)
+    assert list(sampler) != first
+
+
+def test_each_process_collates_its_own_group_of_a_token_budget_batch() -> None:
+    """Accelerate's split hands each process `batch_size` (= process count) items: one group of rows each."""
+    from accelerate.data_loader import BatchSamplerShard
+
+    from distill.batching import GroupedCollate, TokenBudgetBatchSampler
+
+    widths = np.random.default_rng(1).integers(4, 60, size=300)
+    sampler = TokenBudgetBatchSampler(widths, budget=256, processes=2, seed=0)
+    whole = list(sampler)
+    shards = [list(BatchSamplerShard(sampler, 2, rank, split_batches=True)) for rank in (0, 1)]
+    collate = GroupedCollate(lambda rows: rows)
+    for batch, part0, part1 in zip(whole, *shards):
+        assert collate(part0) + collate(part1) == [row for group in batch for row in group]
+        assert len(collate(part0)) == len(collate(part1))
+    assert len(shards[0]) == len(whole)

@@ -71,3 +71,25 @@ def test_random_copy_keeps_the_tokenizer_and_draws_new_weights(tiny_models, tmp_
     drawn = [k for k in weights if k.endswith(".weight") and "LayerNorm" not in k]  # biases start at 0 in both
     assert len(drawn) > 10 and not any(torch.equal(weights[k], original[k]) for k in drawn)
     assert SentenceTransformer(str(copy), device="cpu").encode(["a river"]).shape == (1, 32)
+
+
+def test_the_step_benchmark_runs_every_row_on_a_cpu(tiny_models, tmp_path) -> None:
+    """bench/gpu_step.py --quick: each row trains (or encodes) and reports its step figures; a CPU has no kernels."""
+    import json
+
+    import gpu_step
+
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(sentences(200, seed=5)) + "\n")
+    student = str(tiny_models["student"])
+    argv = ["--mpnet", student, "--bert", student, "--texts", str(texts), "--quick", "--out", str(tmp_path / "out")]
+    assert gpu_step.main([*argv, "--workdir", str(tmp_path / "work")]) == 0
+    rows = json.loads((tmp_path / "out" / "gpu-step.json").read_text())["results"]
+    assert set(rows) == {"mpnet-b256-eager", "mpnet-b256-fused", "bert-base-32k-tokens-sdpa", "decoder-7b-encode"}
+    for name, row in rows.items():
+        assert "error" not in row, (name, row)
+        assert row["steps"] == gpu_step.PROFILED_STEPS and row["ms_per_step"] > 0 and row["tflops_per_step"] > 0
+        assert 0 < row["host_busy_ms_per_step"] <= row["ms_per_step"] and row["cpu_ops_per_step"] > 0
+        assert row["kernels_per_step"] is None and row["share_of_matmul_percent"] is None  # no GPU, no matmul rate
+    assert rows["bert-base-32k-tokens-sdpa"]["real_tokens_per_step"] >= 96  # 32,768 on a GPU
+    assert rows["decoder-7b-encode"]["tokens_per_step"] == 64

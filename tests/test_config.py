@@ -514,8 +514,9 @@ def test_a_removed_option_in_a_config_file_is_the_unknown_key_error(name: str, t
 
 
 # What the kinds of teacher beyond one local model (an endpoint, a vectors file, several combined) and of student
-# beyond the transformer (a static table) add to the lean core's options.
+# beyond the transformer (a static table), and phase 1's token budget for GPUs, add to the lean core's options.
 KIND_OPTIONS = {
+    "--max_tokens_per_batch",
     "--teacher_base_url",
     "--teacher_api_key_env",
     "--teacher_dimensions",

@@ -348,12 +348,17 @@ def test_shipped_minilm_on_embedded_data_gets_closer_to_the_teacher(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    ("use_projection", "accumulation", "form", "teachers"),
-    [(True, 1, "relaunch", 1), (False, 2, "run_ddp.sh", 1), (False, 1, "relaunch", 2)],
-    ids=["projection-relaunch", "matryoshka-accumulating-run_ddp", "two-teachers-relaunch"],
+    ("use_projection", "accumulation", "form", "teachers", "budget"),
+    [
+        (True, 1, "relaunch", 1, None),
+        (False, 2, "run_ddp.sh", 1, None),
+        (False, 1, "relaunch", 2, None),
+        (False, 1, "relaunch", 1, 64),
+    ],
+    ids=["projection-relaunch", "matryoshka-accumulating-run_ddp", "two-teachers-relaunch", "token-budget-relaunch"],
 )
 def test_two_processes_match_one_process_with_twice_the_batch(
-    tiny_models, tiny_data, tmp_path, use_projection, accumulation, form, teachers
+    tiny_models, tiny_data, tmp_path, use_projection, accumulation, form, teachers, budget
 ):
     """2 processes x batch 4 follow 1 process x batch 8 (losses, weights), both phases, every loss, both modes.
 
@@ -366,7 +371,9 @@ def test_two_processes_match_one_process_with_twice_the_batch(
     The two processes start the ways distill starts them itself: `python -m distill.train --num_processes 2`
     (which must not run on one process) and `./run_ddp.sh 2 False` (without a GPU: CPU processes over gloo that
     say so, on tcmalloc when it is installed). With two teachers combined, each member is encoded, cached and scored
-    through the collectives of its own cache, inside the combination's.
+    through the collectives of its own cache, inside the combination's. With a token budget, 2 processes x 64
+    tokens follow 1 process x 128: widths padded to 16 or 32 tokens make every batch's rows even, so the two cut
+    the texts alike.
     """
     two, one = tmp_path / "two", tmp_path / "one"
     common = {
@@ -381,7 +388,11 @@ def test_two_processes_match_one_process_with_twice_the_batch(
         common["teacher_weights"] = "1,2"
     elif not use_projection:  # phase 1 against another model: its vectors and basis reach every process too
         common["phase1_teacher_model"] = tiny_models["wide_student"]
-    flags_two = tiny_run_flags(tiny_models, tiny_data, two, batch_size=4, **common)
+    budgets: tuple[dict, dict] = ({}, {})
+    if budget:
+        common["pad_to_multiple_of"] = 16
+        budgets = ({"max_tokens_per_batch": budget}, {"max_tokens_per_batch": 2 * budget})
+    flags_two = tiny_run_flags(tiny_models, tiny_data, two, batch_size=4, **common, **budgets[0])
     if form == "relaunch":
         done = launch([sys.executable, "-m", "distill.train", "--num_processes", "2", *flags_two])
         assert "no CUDA GPU here" in done.stderr or torch.cuda.is_available()
@@ -395,7 +406,7 @@ def test_two_processes_match_one_process_with_twice_the_batch(
         assert "no CUDA GPU found" in done.stderr
         # LD_PRELOAD reached the ranks through accelerate launch
         assert results_of(two)["heap_allocator"] == ("tcmalloc" if find_tcmalloc() else "glibc")
-    assert main(tiny_run_flags(tiny_models, tiny_data, one, batch_size=8, **common)) == 0
+    assert main(tiny_run_flags(tiny_models, tiny_data, one, batch_size=8, **common, **budgets[1])) == 0
     assert results_of(two)["world_size"] == 2 and results_of(one)["world_size"] == 1
     assert results_of(two)["mode"] == results_of(one)["mode"] == ("projection" if use_projection else "matryoshka")
     members = teachers if teachers > 1 else 0  # a combined teacher's members are scored apart
@@ -423,6 +434,9 @@ def test_two_processes_match_one_process_with_twice_the_batch(
         losses_two, losses_one = (results_of(out)["phases"][phase]["losses"] for out in (two, one))
         assert len(losses_two) == len(losses_one) > 0
         assert losses_two == pytest.approx(losses_one, abs=1e-4), phase
+    if budget:  # batches of 2 to 8 texts, not 8: the budget made them
+        phase1 = [results_of(out)["phases"]["phase1"] for out in (two, one)]
+        assert phase1[0]["train_samples"] == phase1[1]["train_samples"] and phase1[1]["optimizer_steps"] > 256 // 8
 
 
 def test_eval_steps_log_mid_phase_and_keep_the_best_model(tiny_models, tiny_data, tmp_path):
