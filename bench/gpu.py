@@ -164,7 +164,8 @@ def collate(tokens, batches: list[list[int]], dim: int) -> list[tuple[dict, torc
     generator = torch.Generator().manual_seed(SEED)
     out = []
     for b in batches:
-        features = {k: v.to(device(), non_blocking=True) for k, v in tokens.features(b).items()}
+        on_device = {k: v.to(device(), non_blocking=True) for k, v in tokens.features(b).items() if torch.is_tensor(v)}
+        features = {**tokens.features(b), **on_device}  # ints (an unpadded batch's longest text) stay as they are
         target = torch.nn.functional.normalize(torch.randn(len(b), dim, generator=generator), dim=-1)
         out.append((features, target.to(device())))
     return out
@@ -181,6 +182,11 @@ def count_flops(student, collated: list, chunk: int = 64) -> float:
     per_width: dict[int, float] = {}
     total = 0.0
     for features, target in collated:
+        if "cu_seq_lens_q" in features:  # an unpadded batch (FlatTexts): its texts end to end, counted whole
+            with FlopCounterMode(display=False) as counter:
+                ((student(dict(features))["sentence_embedding"] - target) ** 2).sum().backward()
+            total += float(counter.get_total_flops())
+            continue
         rows, width = features["input_ids"].shape
         size = min(rows, chunk)
         if rows % size:

@@ -8,12 +8,14 @@ each model's config, so no download is needed beyond the tokenizers):
   the toolkit's fused attention (distill/students/attention.py);
 - the same, fused, under `torch.compile` (Accelerate's regional compilation, dynamic shapes), with the
   recompiles and graph breaks dynamo counted;
-- BERT-base student (12 layers, 768-d, MiniLM's tokenizer) with at least 32,768 real tokens a step (SDPA);
+- BERT-base student (12 layers, 768-d, MiniLM's tokenizer) with at least 32,768 real tokens a step, padded
+  (transformers' SDPA) and unpadded (the batch's texts end to end, PyTorch's variable-length FlashAttention);
 - a 7B-shaped decoder teacher (Qwen2-7B's config, `bench/models/gte-qwen2-7b-config`) encoding 8 x 512-token
   texts a batch without gradients, as the toolkit's cache fill does.
 
-Each row gives ms per step, FLOPs per step (counted by `torch.utils.flop_counter` on the same batches), the
-achieved TFLOP/s and its share of the card's bf16 matmul rate measured in the same run, and over 10 steps under
+Each row gives ms per step, FLOPs per step (the linear layers' matmuls counted by `torch.utils.flop_counter` on
+the same batches; for BERT-base on the texts' real tokens, padding not counted), the achieved TFLOP/s and its
+share of the card's bf16 matmul rate measured in the same run, and over 10 steps under
 `torch.profiler`: kernels per step, GPU-busy ms per step (the kernels' summed time) and host-busy ms per step
 (the host's time to issue a step, timed without the profiler and without waiting for the GPU). A step whose
 host time is near its wall time is host-bound. Results go to OUT/gpu-step.json after every row.
@@ -91,11 +93,16 @@ def student_row(path: Path, texts: list[str], batch_size: int, args: argparse.Na
     from distill.batching import TokenizedTexts
     from distill.losses import LossWeights, alignment_loss
     from distill.student import embedding_dim, load_student
+    from distill.students import texts_for
+    from distill.students.attention import use_unpadded_batches
 
     student = load_student(str(path), max_seq_length=gpu.MAX_LENGTH, attention_dropout=0.0)
     if options.get("eager"):
         student = load_eager(path)
-    tokens = TokenizedTexts(student.tokenizer, texts, gpu.MAX_LENGTH)
+    if options.get("unpadded") and not hasattr(student, "position_offset"):  # switched on a GPU only
+        use_unpadded_batches(student)
+    batching = texts_for(student) if options.get("unpadded") else TokenizedTexts
+    tokens = batching(student.tokenizer, texts, gpu.MAX_LENGTH)
     dim = embedding_dim(student)
     if options.get("min_tokens"):
         step_rows = -(-options["min_tokens"] // float(tokens.lengths.mean()))
@@ -103,7 +110,13 @@ def student_row(path: Path, texts: list[str], batch_size: int, args: argparse.Na
     batches = gpu.grouped_batches(tokens, batch_size)[: args.warmup + PROFILED_STEPS]
     collated = gpu.collate(tokens, batches, dim)
     student = student.to(gpu.device()).train()
-    flops = gpu.count_flops(student, collated[args.warmup :]) / PROFILED_STEPS
+    if options.get("real_tokens"):  # the work of the texts themselves: counted on their unpadded batches
+        counter = load_student(str(path), max_seq_length=gpu.MAX_LENGTH, attention_dropout=0.0)
+        use_unpadded_batches(counter)
+        flat = texts_for(counter)(counter.tokenizer, texts, gpu.MAX_LENGTH)
+        flops = linear_flops(counter.to(gpu.device()), gpu.collate(flat, batches[args.warmup :], dim))
+    else:
+        flops = linear_flops(student, collated[args.warmup :])
     model = compile_regions(student, dynamic=True) if options.get("compile") else student
     optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=1e-4, fused=cuda() or None)
     autocast = torch.autocast(gpu.device().type, dtype=torch.bfloat16)
@@ -123,6 +136,26 @@ def student_row(path: Path, texts: list[str], batch_size: int, args: argparse.Na
     real = sum(int(tokens.lengths[b].sum()) for b in batches[args.warmup :]) / PROFILED_STEPS
     result.update(batch_size=batch_size, real_tokens_per_step=round(real), **counters())
     return rates(result, flops, args.matmul_tflops)
+
+
+def linear_flops(student, collated: list) -> float:
+    """The mean FLOPs per step of the student's matrix multiplies (forward and backward) over these batches.
+
+    Only `mm`/`addmm`: the linear layers, which hold almost all of a step's work at these lengths (attention's
+    score and value products are 2-3% at 128 tokens). Attention kernels differ between the rows (eager, SDPA,
+    variable-length FlashAttention) and FlopCounterMode knows some of them only, so they are left out of every
+    row alike.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    total = 0.0
+    for features, target in collated:
+        with FlopCounterMode(display=False) as counter:
+            ((student(dict(features))["sentence_embedding"].float() - target) ** 2).sum().backward()
+        counts = counter.get_flop_counts()["Global"]
+        total += sum(v for k, v in counts.items() if str(k) in ("aten.mm", "aten.addmm"))
+    student.zero_grad(set_to_none=True)
+    return total / len(collated)
 
 
 def load_eager(path: Path):
@@ -228,7 +261,12 @@ def main(argv: list[str] | None = None) -> int:
         "mpnet-b256-eager": lambda: student_row(mpnet, texts, mpnet_batch, args, eager=True),
         "mpnet-b256-fused": lambda: student_row(mpnet, texts, mpnet_batch, args),
         "mpnet-b256-fused-compile": lambda: student_row(mpnet, texts, mpnet_batch, args, compile=True),
-        "bert-base-32k-tokens-sdpa": lambda: student_row(bert, texts, bert_rows, args, min_tokens=bert_tokens),
+        "bert-base-32k-tokens-padded": lambda: student_row(
+            bert, texts, bert_rows, args, min_tokens=bert_tokens, real_tokens=True
+        ),
+        "bert-base-32k-tokens-unpadded": lambda: student_row(
+            bert, texts, bert_rows, args, min_tokens=bert_tokens, unpadded=True, real_tokens=True
+        ),
         "decoder-7b-encode": lambda: decoder_row(args.decoder_config, args),
     }
     if args.quick:  # inductor's C++ build takes minutes on a CPU

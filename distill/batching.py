@@ -119,6 +119,42 @@ class TokenizedTexts:
         return out
 
 
+class FlatTexts(TokenizedTexts):
+    """Texts batched unpadded: a batch's texts end to end as one sequence, with where each starts and ends.
+
+    The features sentence-transformers' pooling reads as "flattened" (as transformers' `DataCollatorWithFlattening`
+    makes them): input_ids and position_ids (1, tokens), cu_seq_lens_q / _k (texts + 1,) and the longest text. A
+    student switched to unpadded attention (`distill/students/attention.py`) computes no token of padding.
+    """
+
+    def __init__(self, *args: Any, position_offset: int = 0, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.position_offset = position_offset  # RoBERTa-family positions start after the padding index
+
+    def features(self, indices: list[int]) -> dict[str, Any]:
+        rows = np.asarray(indices)
+        lengths = self.lengths[rows]
+        ends = np.cumsum(lengths)
+        within = np.arange(int(ends[-1])) - np.repeat(ends - lengths, lengths)  # each token's position in its text
+        ids = self.ids[np.repeat(self.offsets[rows], lengths) + within]
+        bounds = torch.from_numpy(np.concatenate([[0], ends]).astype(np.int32))
+        features: dict[str, Any] = {
+            "input_ids": torch.from_numpy(ids.astype(np.int64))[None, :],
+            "position_ids": torch.from_numpy(within + self.position_offset)[None, :],
+            "cu_seq_lens_q": bounds,
+            "cu_seq_lens_k": bounds,
+            "max_length_q": int(lengths.max()),
+            "max_length_k": int(lengths.max()),
+        }
+        if self.with_token_types:
+            features["token_type_ids"] = torch.zeros_like(features["input_ids"])
+        return features
+
+    def chunked_features(self, indices: list[int], max_chunks: int) -> dict[str, object]:
+        """One chunk: without padding, chunks of similar length save nothing."""
+        return {"chunks": [self.features(indices)]}
+
+
 def assemble_chunks(outputs: list[torch.Tensor], chunked: dict[str, object]) -> torch.Tensor:
     """The outputs of `chunked_features`' chunks, one row per text, in the order the texts were asked for."""
     rows = torch.cat(outputs) if len(outputs) > 1 else outputs[0]

@@ -26,7 +26,7 @@ from distill.distributed import main_decides, progress_bar
 from distill.errors import DistillError
 from distill.hub import declared_dimension, load_sentence_transformer, resolve_model
 from distill.students import is_static, texts_for
-from distill.students.attention import use_fused_attention
+from distill.students.attention import use_fused_attention, use_unpadded_batches
 from distill.students.static import DEFAULT_DIM as STATIC_DIM
 from distill.students.static import load_static_student
 from distill.teachers import check_teacher, local_model
@@ -75,6 +75,8 @@ def load_student(
     if max_seq_length is not None:
         student.max_seq_length = max_seq_length
     use_fused_attention(student)  # MPNet: fused attention in place of transformers' eager one
+    if torch.cuda.is_available():  # PyTorch's variable-length FlashAttention is a CUDA kernel
+        use_unpadded_batches(student)
     return student
 
 
@@ -462,7 +464,7 @@ def encode_student(
     device = accelerator.device
 
     def encode(indices: list[int]) -> torch.Tensor:
-        features = {k: v.to(device) for k, v in texts.features(indices).items()}
+        features = {k: v.to(device) if torch.is_tensor(v) else v for k, v in texts.features(indices).items()}
         with torch.no_grad(), accelerator.autocast():
             student, target = model(features)[0]
         return torch.cat([student.float(), target.float()], dim=1)

@@ -85,11 +85,20 @@ def test_the_step_benchmark_runs_every_row_on_a_cpu(tiny_models, tmp_path) -> No
     argv = ["--mpnet", student, "--bert", student, "--texts", str(texts), "--quick", "--out", str(tmp_path / "out")]
     assert gpu_step.main([*argv, "--workdir", str(tmp_path / "work")]) == 0
     rows = json.loads((tmp_path / "out" / "gpu-step.json").read_text())["results"]
-    assert set(rows) == {"mpnet-b256-eager", "mpnet-b256-fused", "bert-base-32k-tokens-sdpa", "decoder-7b-encode"}
+    assert set(rows) == {
+        "mpnet-b256-eager",
+        "mpnet-b256-fused",
+        "bert-base-32k-tokens-padded",
+        "bert-base-32k-tokens-unpadded",
+        "decoder-7b-encode",
+    }
     for name, row in rows.items():
         assert "error" not in row, (name, row)
         assert row["steps"] == gpu_step.PROFILED_STEPS and row["ms_per_step"] > 0 and row["tflops_per_step"] > 0
         assert 0 < row["host_busy_ms_per_step"] <= row["ms_per_step"] and row["cpu_ops_per_step"] > 0
         assert row["kernels_per_step"] is None and row["share_of_matmul_percent"] is None  # no GPU, no matmul rate
-    assert rows["bert-base-32k-tokens-sdpa"]["real_tokens_per_step"] >= 96  # 32,768 on a GPU
+    assert rows["bert-base-32k-tokens-padded"]["real_tokens_per_step"] >= 96  # 32,768 on a GPU
+    padded, unpadded = rows["bert-base-32k-tokens-padded"], rows["bert-base-32k-tokens-unpadded"]
+    assert unpadded["real_tokens_per_step"] == padded["real_tokens_per_step"]  # the same texts a step
+    assert unpadded["tflops_per_step"] == padded["tflops_per_step"]  # the same real tokens' work
     assert rows["decoder-7b-encode"]["tokens_per_step"] == 64

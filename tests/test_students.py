@@ -184,3 +184,89 @@ def test_a_fused_mpnet_student_saves_and_loads_as_plain_mpnet(tmp_path):
         assert torch.allclose(
             model(input_ids=ids).last_hidden_state, loaded(input_ids=ids).last_hidden_state, atol=1e-5
         )
+
+
+def test_unpadded_batches_equal_padded_ones_forward_and_backward(tiny_models, tmp_path):
+    """A BERT student on its batch's texts end to end (FlatTexts, each text attending to itself) gives the padded
+    batch's sentence vectors and gradients within float32 rounding; padded batches still work after the switch, and
+    the saved folder names no custom attention."""
+    from distill.batching import FlatTexts, TokenizedTexts
+    from distill.student import load_student
+    from distill.students.attention import use_unpadded_batches
+
+    texts = sentences(12, seed=3)
+    padded_student = load_student(str(tiny_models["student"]), attention_dropout=0.0)
+    flat_student = load_student(str(tiny_models["student"]), attention_dropout=0.0)
+    assert use_unpadded_batches(flat_student) and texts_for(flat_student) is not TokenizedTexts
+    padded = TokenizedTexts(padded_student.tokenizer, texts, 32)
+    flat = texts_for(flat_student)(flat_student.tokenizer, texts, 32)
+    assert isinstance(flat, FlatTexts) and flat.lengths.min() < flat.lengths.max()  # the batch has padding to drop
+    rows = list(range(len(texts)))
+    features = flat.features(rows)
+    assert features["input_ids"].shape == (1, int(flat.lengths.sum())) == (1, int(features["cu_seq_lens_q"][-1]))
+    outputs = []
+    for student, batch in ((padded_student, padded.features(rows)), (flat_student, features)):
+        student.train()
+        vectors = student(dict(batch))["sentence_embedding"]
+        weights = torch.randn(vectors.shape, generator=torch.Generator().manual_seed(0))
+        (vectors * weights).sum().backward()
+        outputs.append((vectors.detach(), {n: p.grad for n, p in student.named_parameters() if p.grad is not None}))
+    (padded_vectors, padded_grads), (flat_vectors, flat_grads) = outputs
+    assert (padded_vectors - flat_vectors).abs().max() < 1e-5
+    assert padded_grads.keys() == flat_grads.keys()
+    for name, grad in padded_grads.items():
+        if name.endswith("key.bias"):  # a softmax ignores it: its gradient is rounding
+            continue
+        assert (grad - flat_grads[name]).norm() <= 1e-5 * grad.norm(), name
+    with torch.no_grad():  # a padded batch through the switched student: transformers' SDPA path, as before
+        again = flat_student.eval()(dict(padded.features(rows)))["sentence_embedding"]
+        plain = padded_student.eval()(dict(padded.features(rows)))["sentence_embedding"]
+    assert (again - plain).abs().max() < 1e-5
+    from sentence_transformers import SentenceTransformer
+
+    flat_student.save(str(tmp_path / "saved"))
+    assert "distill" not in (tmp_path / "saved" / "config.json").read_text()
+    assert SentenceTransformer(str(tmp_path / "saved"), device="cpu").encode(texts[:2]).shape == (2, 32)
+
+
+def test_a_run_on_unpadded_batches_follows_the_padded_run(tiny_models, tiny_data, tmp_path, monkeypatch):
+    """Both phases, evaluation and export with the student switched to unpadded batches (on a CPU the switch is off,
+    so it is forced here): every loss and the exported weights follow the padded run's."""
+    from safetensors.torch import load_file
+
+    import distill.student
+    from distill.batching import FlatTexts
+    from distill.students.attention import use_unpadded_batches
+    from tests.conftest import reset_accelerate
+
+    def run(out: Path) -> dict:
+        reset_accelerate()
+        flags = tiny_run_flags(
+            tiny_models, tiny_data, out, teacher_cache_dir=tmp_path / "cache", save_to_artifacts=True
+        )
+        assert main(flags) == 0
+        return json.loads((out / "results.json").read_text())
+
+    padded = run(tmp_path / "padded")
+    load_student = distill.student.load_student
+
+    def unpadded(*args, **kwargs):
+        student = load_student(*args, **kwargs)
+        assert use_unpadded_batches(student)
+        return student
+
+    monkeypatch.setattr(distill.student, "load_student", unpadded)
+    batches = []
+    features = FlatTexts.features
+    monkeypatch.setattr(FlatTexts, "features", lambda self, rows: batches.append(rows) or features(self, rows))
+    flat = run(tmp_path / "flat")
+    assert len(batches) > 20 + 20  # the training batches of both phases, and the evaluations
+    for phase in ("phase1", "phase2"):
+        assert flat["phases"][phase]["losses"] == pytest.approx(padded["phases"][phase]["losses"], abs=1e-4)
+    assert flat["student_after"]["ndcg@10"] == pytest.approx(padded["student_after"]["ndcg@10"], abs=1e-3)
+    weights = [
+        load_file(str(out / "artifacts" / "model" / "model.safetensors"))
+        for out in (tmp_path / "padded", tmp_path / "flat")
+    ]
+    moved = max((weights[0][k] - weights[1][k]).abs().max().item() for k in weights[0])
+    assert moved < 1e-3

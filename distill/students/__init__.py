@@ -10,9 +10,11 @@ The phases never ask which kind they train: a kind brings its own loading and it
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
-from distill.batching import TokenizedTexts
+from distill.batching import FlatTexts, TokenizedTexts
 from distill.students.static import StaticTexts, is_static
 
 if TYPE_CHECKING:
@@ -26,6 +28,10 @@ def is_static_model(student: SentenceTransformer) -> bool:
     return type(next(iter(student), None)).__name__ == "StaticEmbedding"
 
 
-def texts_for(student: SentenceTransformer) -> type[TokenizedTexts]:
-    """How this student's texts are tokenized and batched: padded ids for a transformer, flat ids for a table."""
-    return StaticTexts if is_static_model(student) else TokenizedTexts
+def texts_for(student: SentenceTransformer) -> Callable[..., TokenizedTexts]:
+    """How this student's texts are tokenized and batched: padded ids for a transformer, its batch's texts end to end
+    for one switched to unpadded attention (distill/students/attention.py), flat ids and offsets for a table."""
+    if is_static_model(student):
+        return StaticTexts
+    offset = getattr(student, "position_offset", None)
+    return TokenizedTexts if offset is None else partial(FlatTexts, position_offset=offset)

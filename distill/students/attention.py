@@ -1,4 +1,4 @@
-"""Fused attention for transformer students whose transformers class brings none: MPNet.
+"""Faster attention for transformer students: fused attention for MPNet, unpadded batches for the others.
 
 transformers 5 runs MPNet's attention eagerly (it declares no SDPA, FlashAttention or flex support): scores,
 softmax and dropout as separate kernels per layer, over a relative position bias it expands to (batch, heads,
@@ -9,6 +9,14 @@ also takes the bias's gradient). It patches the instance's forward methods only:
 the exported folder are MPNet's own, and a plain `SentenceTransformer(path)` loads them as ever.
 
 Equal to the eager forward and backward within float32 rounding (tests/test_students.py).
+
+`use_unpadded_batches` trains a student whose transformers class takes its attention from transformers'
+attention interface (BERT, RoBERTa, XLM-R, ModernBERT...) on unpadded batches: the batch's texts end to end
+as one sequence, each attending to itself only (`FlatTexts`, sentence-transformers' pooling of such
+"flattened" outputs). No layer then spends work on padding. On a CUDA GPU the attention is PyTorch's own
+variable-length FlashAttention (`torch.nn.attention.varlen.varlen_attn`); elsewhere each text's attention
+runs on its own, which serves the tests. Padded batches (evaluation, `encode`) take transformers' SDPA path as
+ever. sentence-transformers unpads only for models loaded with the flash-attn package, and only in `encode`.
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+UNPADDED = "distill_unpadded"  # the name of the attention function and mask function registered with transformers
 
 
 def use_fused_attention(model: nn.Module) -> int:
@@ -100,3 +110,77 @@ def _attention_forward(
 
 def _added(bias: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
     return mask if bias is None else bias + mask
+
+
+def use_unpadded_batches(student: nn.Module) -> bool:
+    """Train `student` on unpadded batches when its first module is a transformer that supports them; whether it
+    does. Its forward then takes `FlatTexts` features as well as padded ones."""
+    module = next(iter(student), None)
+    backbone = getattr(module, "auto_model", None)
+    config = getattr(backbone, "config", None)
+    if backbone is None or config is None or config.is_decoder:
+        return False
+    if not getattr(backbone, "_supports_attention_backend", False):  # MPNet, among others: no attention interface
+        return False
+    _register()
+    backbone.set_attn_implementation(UNPADDED)
+    student.position_offset = _position_offset(backbone)  # what FlatTexts adds to each text's positions
+    return True
+
+
+def _position_offset(backbone: nn.Module) -> int:
+    """RoBERTa-family embeddings count positions from padding_idx + 1; BERT's from 0 (as sentence-transformers'
+    `_infer_flatten_position_offset`)."""
+    for module in backbone.modules():
+        padding_idx = getattr(module, "padding_idx", None)
+        if isinstance(padding_idx, int) and isinstance(getattr(module, "position_embeddings", None), nn.Embedding):
+            return padding_idx + 1
+    return 0
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+
+    if UNPADDED not in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(UNPADDED, _unpadded_attention)
+        AttentionMaskInterface.register(UNPADDED, partial(_mask, sdpa_mask))
+
+
+def _mask(sdpa_mask: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
+    """No mask for an unpadded batch (each text's extent is in its `cu_seq_lens_q`); SDPA's for a padded one."""
+    return None if attention_mask is None else sdpa_mask(attention_mask=attention_mask, **kwargs)
+
+
+def _unpadded_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention within each text of an unpadded batch: query, key, value (1, heads, tokens, head_dim)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if cu_seq_lens_q is None:  # a padded batch
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)[0], None
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, head_dim)
+    if q.is_cuda and dropout == 0.0:
+        from torch.nn.attention.varlen import varlen_attn
+
+        out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling)
+    else:
+        bounds = cu_seq_lens_q.tolist()
+        parts = [
+            nn.functional.scaled_dot_product_attention(
+                *(t[a:b].transpose(0, 1) for t in (q, k, v)), dropout_p=dropout, scale=scaling
+            ).transpose(0, 1)
+            for a, b in zip(bounds[:-1], bounds[1:])
+        ]
+        out = torch.cat(parts)
+    return out.unsqueeze(0), None  # (1, tokens, heads, head_dim), as transformers' attention functions return
