@@ -3,7 +3,9 @@
 Accelerate owns the mechanics: DDP wrapping, mixed precision, gradient accumulation (`accumulate`), device
 placement and batch sharding (`split_batches=True` over global length-grouped batches). The phase
 (distill/phases.py) owns its batches and its loss; the loop is forward, backward, step, log, save. The rare
-exits (preemption, a non-finite loss) and the heap trims live in one `Guard` it consults once a step.
+exits (preemption, a non-finite loss), the host's reads of the losses and the heap trims live in one `Guard` it
+consults once a step. Nothing in a step waits for the device: the losses stay there until the guard reads them,
+every READ_EVERY steps, so the host queues the next steps while a GPU runs this one.
 """
 
 from __future__ import annotations
