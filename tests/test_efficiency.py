@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -55,6 +56,24 @@ def test_measure_counts_what_the_model_holds(tiny_models):
     weight_files = list(tiny_models["student"].rglob("*.safetensors"))
     assert weight_files and found.weights_bytes == sum(f.stat().st_size for f in weight_files)
     assert weights_bytes(model) == 4 * sum(t.numel() for t in model.state_dict().values())
+
+
+def test_measure_times_with_the_tokenizers_on_every_core_and_puts_the_setting_back(tiny_models, monkeypatch):
+    """TOKENIZERS_PARALLELISM is "true" for every timed encode (its default where a model serves), as it was after."""
+    model = SentenceTransformer(str(tiny_models["student"]), device="cpu")
+    seen, encode = [], model.encode
+
+    def recording(*args, **kwargs):
+        seen.append(os.environ.get("TOKENIZERS_PARALLELISM"))
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(model, "encode", recording)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    measure(model, CostTexts(sentences(20, seed=5), sentences(3, seed=6), batch_size=8))
+    assert seen == ["true"] * 5 and os.environ["TOKENIZERS_PARALLELISM"] == "false"  # warm-up, passages, 3 queries
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM")
+    measure(model, CostTexts(sentences(20, seed=5), sentences(1, seed=6), batch_size=8))
+    assert "TOKENIZERS_PARALLELISM" not in os.environ
 
 
 def test_measure_on_a_folder_without_weight_files_counts_the_tensors(tiny_models, tmp_path):
