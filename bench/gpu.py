@@ -161,11 +161,12 @@ def grouped_batches(tokens, batch_size: int) -> list[list[int]]:
 
 
 def collate(tokens, batches: list[list[int]], dim: int) -> list[tuple[dict, torch.Tensor]]:
+    from accelerate.utils import send_to_device
+
     generator = torch.Generator().manual_seed(SEED)
     out = []
     for b in batches:
-        on_device = {k: v.to(device(), non_blocking=True) for k, v in tokens.features(b).items() if torch.is_tensor(v)}
-        features = {**tokens.features(b), **on_device}  # ints (an unpadded batch's longest text) stay as they are
+        features = send_to_device(tokens.features(b), device(), non_blocking=True)  # ints stay as they are
         target = torch.nn.functional.normalize(torch.randn(len(b), dim, generator=generator), dim=-1)
         out.append((features, target.to(device())))
     return out

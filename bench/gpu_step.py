@@ -110,7 +110,9 @@ def student_row(path: Path, texts: list[str], batch_size: int, args: argparse.Na
     batches = gpu.grouped_batches(tokens, batch_size)[: args.warmup + PROFILED_STEPS]
     collated = gpu.collate(tokens, batches, dim)
     student = student.to(gpu.device()).train()
-    if options.get("real_tokens"):  # the work of the texts themselves: counted on their unpadded batches
+    if options.get("unpadded"):  # its own batches are the texts' real tokens
+        flops = linear_flops(student, collated[args.warmup :])
+    elif options.get("real_tokens"):  # the work of the texts themselves: counted on their unpadded batches
         counter = load_student(str(path), max_seq_length=gpu.MAX_LENGTH, attention_dropout=0.0)
         use_unpadded_batches(counter)
         flat = texts_for(counter)(counter.tokenizer, texts, gpu.MAX_LENGTH)
@@ -265,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             bert, texts, bert_rows, args, min_tokens=bert_tokens, real_tokens=True
         ),
         "bert-base-32k-tokens-unpadded": lambda: student_row(
-            bert, texts, bert_rows, args, min_tokens=bert_tokens, unpadded=True, real_tokens=True
+            bert, texts, bert_rows, args, min_tokens=bert_tokens, unpadded=True
         ),
         "decoder-7b-encode": lambda: decoder_row(args.decoder_config, args),
     }

@@ -209,6 +209,14 @@ def length_chunks(lengths: np.ndarray, max_chunks: int, min_saving: float = CHUN
 LOADER_WORKERS = 2  # on a GPU: processes collating the next batches (make_loader)
 
 
+def largest_first(order: np.ndarray, sizes: list) -> np.ndarray:
+    """`order` with its largest batch (by `sizes`, one per entry) swapped to the front, in place: a batch that
+    does not fit in memory fails at the first step, not hours in."""
+    largest = int(np.argmax(sizes))
+    order[[0, largest]] = order[[largest, 0]]
+    return order
+
+
 class LengthGroupedBatchSampler:
     """Deterministic global batches of similar-length samples, reshuffled every epoch.
 
@@ -248,10 +256,8 @@ class LengthGroupedBatchSampler:
         # longest first inside each group (a megabatch holds whole batches); the groups end to end, cut into batches
         stream = np.concatenate([g[np.argsort(-self.lengths[g], kind="stable")] for g in groups])
         batches = [stream[i : i + self.batch_size] for i in range(0, len(stream), self.batch_size)]
-        order = rng.permutation(len(batches))  # groups themselves in random order,
-        widest = int(np.argmax([self.lengths[batches[i]].max() for i in order]))
-        order[[0, widest]] = order[[widest, 0]]  # except that the widest batch comes first (see the class doc)
-        for index in order:
+        order = rng.permutation(len(batches))  # groups themselves in random order, the widest first (class doc)
+        for index in largest_first(order, [self.lengths[batches[i]].max() for i in order]):
             yield batches[index].tolist()
 
 
@@ -301,9 +307,7 @@ class TokenBudgetBatchSampler:
         batches = [order[end - size : end] for end, size in zip(ends, self.sizes)]
         sequence = rng.permutation(len(batches))
         tokens = [len(batches[i]) * self.lengths[batches[i][0]] for i in sequence]
-        first = int(np.argmax(tokens))
-        sequence[[0, first]] = sequence[[first, 0]]
-        for index in sequence:
+        for index in largest_first(sequence, tokens):
             yield [tuple(group.tolist()) for group in np.split(batches[index], self.processes)]
 
 

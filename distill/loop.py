@@ -192,8 +192,8 @@ class Guard:
         if self.deferred:
             inner = getattr(self.run.optimizer, "optimizer", self.run.optimizer)
             inner.found_inf = self.poisoned  # read by the fused kernel on the device: no host synchronisation
-        elif not math.isfinite(window.losses[-1].item()):  # before the optimizer step: the weights are still good
-            self.stop_non_finite(window.losses[-1].item(), state, window, window.start)
+        elif not math.isfinite(value := window.losses[-1].item()):  # before the step: the weights are still good
+            self.stop_non_finite(value, state, window, window.start)
 
     def read(self, state: TrainingState, window: Window, progress: tqdm) -> None:
         """The host reads the pending steps' losses (one transfer): they go to the state, the bar and the trackers."""

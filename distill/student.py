@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.utils.checkpoint
 from accelerate import Accelerator
+from accelerate.utils import send_to_device
 from torch import nn
 
 from distill.batching import TokenizedTexts, map_sharded
@@ -464,7 +465,7 @@ def encode_student(
     device = accelerator.device
 
     def encode(indices: list[int]) -> torch.Tensor:
-        features = {k: v.to(device) if torch.is_tensor(v) else v for k, v in texts.features(indices).items()}
+        features = send_to_device(texts.features(indices), device)  # ints (FlatTexts' longest text) stay
         with torch.no_grad(), accelerator.autocast():
             student, target = model(features)[0]
         return torch.cat([student.float(), target.float()], dim=1)

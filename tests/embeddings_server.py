@@ -20,7 +20,7 @@ import time
 from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -30,7 +30,27 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = True
 
 
-class EmbeddingsServer:
+class _Local:
+    """An HTTP server on a free local port, answering in a thread while the `with` block runs."""
+
+    def serve(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self.httpd = _Server(("127.0.0.1", 0), handler)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def __enter__(self) -> Self:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class EmbeddingsServer(_Local):
     """`model_path` served as `name` at `url` (…/v1), requiring the bearer `key` when one is given; each request's
     texts encoded `batch_size` at a time."""
 
@@ -50,20 +70,7 @@ class EmbeddingsServer:
         self.name, self.key, self.batch_size = name, key, batch_size
         self.lock = threading.Lock()  # one forward pass at a time
         self.requests: list[dict[str, Any]] = []
-        self.httpd = _Server(("127.0.0.1", 0), self._handler())
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-
-    def __enter__(self) -> EmbeddingsServer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.serve(self._handler())
 
     def embed(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         inputs = body.get("input")
@@ -113,7 +120,7 @@ class EmbeddingsServer:
         return Handler
 
 
-class FaultProxy:
+class FaultProxy(_Local):
     """Forwards to `upstream` (…/v1), or answers with the next fault of `plan` (consumed one per request)."""
 
     def __init__(self, upstream: str):
@@ -122,20 +129,7 @@ class FaultProxy:
         self.forwarded = 0  # requests that reached the server
         self.seen = 0
         self.fail_after: int | None = None  # once this many requests reached the server, every request gets a 401
-        self.httpd = _Server(("127.0.0.1", 0), self._handler())
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-
-    def __enter__(self) -> FaultProxy:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.serve(self._handler())
 
     def forward(self, handler: BaseHTTPRequestHandler, raw: bytes) -> tuple[int, bytes]:
         connection = http.client.HTTPConnection(self.upstream.hostname, self.upstream.port, timeout=60)

@@ -93,7 +93,9 @@ def _attention_forward(
     """MPNetSelfAttention.forward through scaled_dot_product_attention; `position_bias` holds the padding mask too."""
     shape = (*hidden_states.shape[:-1], -1, attention.attention_head_size)
     q, k, v = (getattr(attention, name)(hidden_states).view(shape).transpose(1, 2) for name in "qkv")
-    mask = position_bias if attention_mask is None else _added(position_bias, attention_mask)
+    mask = position_bias  # `_encoder_forward` folds the padding mask into it and passes no attention_mask
+    if attention_mask is not None:
+        mask = attention_mask if mask is None else mask + attention_mask
     if mask is not None and mask.dtype != q.dtype:  # mixed precision: the kernel takes a mask of its inputs' dtype
         mask = mask.to(q.dtype)
     context = nn.functional.scaled_dot_product_attention(
@@ -106,10 +108,6 @@ def _attention_forward(
     )
     context = context.transpose(1, 2).reshape(*hidden_states.shape[:-1], attention.all_head_size)
     return (attention.o(context),)
-
-
-def _added(bias: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
-    return mask if bias is None else bias + mask
 
 
 def use_unpadded_batches(student: nn.Module) -> bool:
