@@ -76,6 +76,35 @@ def test_measure_times_with_the_tokenizers_on_every_core_and_puts_the_setting_ba
     assert "TOKENIZERS_PARALLELISM" not in os.environ
 
 
+def test_a_static_students_model2vec_timing_is_its_own_row_and_ratio(tiny_models, tmp_path) -> None:
+    from distill.efficiency import measure_model2vec
+    from distill.students.static import as_model2vec, load_static_student
+
+    student = load_static_student(f"static:{tiny_models['teacher']}", None, 16, tmp_path)
+    model = as_model2vec(student)
+    texts = CostTexts(sentences(20, seed=5), sentences(3, seed=6), batch_size=8)
+    found = measure_model2vec(model, texts)
+    assert (found.dim, found.parameters) == (16, student[0].embedding.weight.numel())
+    assert found.weights_bytes == 4 * found.parameters and found.texts_per_second > 0 and found.latency_ms > 0
+    assert as_model2vec(SentenceTransformer(str(tiny_models["student"]), device="cpu")) is None  # a transformer
+
+    results = results_with_costs()
+    efficiency = Efficiency(
+        "Test CPU (CPU, 2 threads)",
+        256,
+        32,
+        50,
+        cost(10, 300.0, 10.0),
+        cost(40, 100.0, 20.0),
+        student_model2vec=cost(10, 450.0, 4.0),
+    )
+    results["efficiency"] = efficiency.to_dict()
+    ratios = results["efficiency"]["ratios"]
+    assert (ratios["throughput"], ratios["throughput_model2vec"], ratios["latency_model2vec"]) == (3.0, 4.5, 0.2)
+    assert "at 3.0x its throughput (4.5x through model2vec) and 0.25x its parameters" in trade_off_line(results)
+    assert "| student, model2vec | 32 | 0.5700 | 450.0 | 4.0 |" in cost_table(results)
+
+
 def test_measure_on_a_folder_without_weight_files_counts_the_tensors(tiny_models, tmp_path):
     model = SentenceTransformer(str(tiny_models["student"]), device="cpu")
     assert weights_bytes(model, tmp_path) == weights_bytes(model)

@@ -84,7 +84,15 @@ def test_a_static_run_exports_folders_that_both_libraries_load_alike(tiny_models
     assert main(flags) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["student_after"]["teacher_cosine"] > results["student_before"]["teacher_cosine"]
-    assert results["efficiency"]["ratios"]["parameters"] < 1
+    efficiency = results["efficiency"]
+    assert efficiency["ratios"]["parameters"] < 1
+    # timed a second time as model2vec encodes it, with the same width, table and batch
+    as_model2vec = efficiency["student_model2vec"]
+    assert as_model2vec["dim"] == efficiency["student"]["dim"] == 16 and as_model2vec["texts_per_second"] > 0
+    table = StaticModel.from_pretrained(str(out / "artifacts" / "model2vec"), force_download=False).embedding
+    assert (as_model2vec["parameters"], as_model2vec["weights_bytes"]) == (table.size, table.nbytes)
+    assert efficiency["ratios"]["throughput_model2vec"] > 0
+    assert "x through model2vec)" in (out / "report.md").read_text()
     assert set(results["exported"]) == {"model", "model2vec"}
     texts = sentences(12, seed=31)
     from_st = SentenceTransformer(str(out / "artifacts" / "model"), device="cpu").encode(texts)

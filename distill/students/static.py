@@ -178,15 +178,21 @@ def static_table(student: SentenceTransformer) -> torch.Tensor | None:
     return table
 
 
-def save_model2vec(student: SentenceTransformer, folder: Path, card: str) -> Path | None:
-    """The student as a model2vec folder that `StaticModel.from_pretrained` loads (normalised, as trained)."""
+def as_model2vec(student: SentenceTransformer) -> Any | None:
+    """The student as a model2vec `StaticModel` (normalised, as trained, no truncation); None for any other student."""
     from model2vec import StaticModel
 
     table = static_table(student)
     if table is None:
         return None
-    tokenizer = student[0].tokenizer
-    model = StaticModel(vectors=table.numpy(), tokenizer=tokenizer, normalize=True, max_length=None)
+    return StaticModel(vectors=table.numpy(), tokenizer=student[0].tokenizer, normalize=True, max_length=None)
+
+
+def save_model2vec(student: SentenceTransformer, folder: Path, card: str) -> Path | None:
+    """The student as a model2vec folder that `StaticModel.from_pretrained` loads."""
+    model = as_model2vec(student)
+    if model is None:
+        return None
     model.save_pretrained(str(folder))
     (folder / "README.md").write_text(card)
     return folder
