@@ -268,9 +268,10 @@ def fresh_accelerate_state():
 @pytest.fixture(autouse=True)
 def steady_cpu_probe(monkeypatch):
     """The cost stage's CPU load probe reads one fixed rate in this process: a kept teacher figure is reused whatever
-    the suite's workers do meanwhile, and no tiny run spends a second timing matmuls. Runs started as separate
-    processes probe for real."""
+    the suite's workers do meanwhile, and no tiny run spends a second timing matmuls or passes. Runs started as
+    separate processes probe and time for real."""
     monkeypatch.setattr("distill.efficiency.machine_gflops", lambda device: 100.0 if device.type == "cpu" else None)
+    monkeypatch.setattr("distill.efficiency.MIN_TIMED_SECONDS", 0.0)  # one pass over a tiny run's passages
 
 
 @pytest.fixture

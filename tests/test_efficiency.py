@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
+import numpy as np
 import pytest
 import torch
 from sentence_transformers import SentenceTransformer
 
 from conftest import sentences
+from distill import efficiency
 from distill.data import DistillData, EvalSet, Pairs
 from distill.efficiency import (
     CostTexts,
@@ -68,12 +71,31 @@ def test_measure_times_with_the_tokenizers_on_every_core_and_puts_the_setting_ba
         return encode(*args, **kwargs)
 
     monkeypatch.setattr(model, "encode", recording)
+    monkeypatch.setattr(efficiency, "MIN_TIMED_SECONDS", 0.0)  # one pass over the passages
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     measure(model, CostTexts(sentences(20, seed=5), sentences(3, seed=6), batch_size=8))
     assert seen == ["true"] * 5 and os.environ["TOKENIZERS_PARALLELISM"] == "false"  # warm-up, passages, 3 queries
     monkeypatch.delenv("TOKENIZERS_PARALLELISM")
     measure(model, CostTexts(sentences(20, seed=5), sentences(1, seed=6), batch_size=8))
     assert "TOKENIZERS_PARALLELISM" not in os.environ
+
+
+def test_a_fast_encoder_is_timed_over_passes_for_at_least_the_minimum(monkeypatch) -> None:
+    """A pass that takes 10 ms is repeated until the timing has run MIN_TIMED_SECONDS; the rate counts every pass."""
+    monkeypatch.setattr(efficiency, "MIN_TIMED_SECONDS", 0.2)
+    passes = []
+
+    def encode(batch: list[str]) -> np.ndarray:
+        time.sleep(0.01)
+        passes.append(len(batch))
+        return np.zeros((len(batch), 4))
+
+    texts = CostTexts(sentences(20, seed=5), sentences(3, seed=6), batch_size=8)
+    dim, speed, latency, rate = efficiency.timed(encode, lambda text: encode([text]), texts, GPU)
+    timed = [n for n in passes[1:] if n == 20]  # after the warm-up batch of 8, before the 3 queries
+    assert dim == 4 and rate is None and 15 <= len(timed) <= 21
+    assert 20 / 0.0125 < speed < 20 / 0.01  # 20 texts per pass of a bit over 10 ms
+    assert 10 <= latency < 12.5
 
 
 def test_a_static_students_model2vec_timing_is_its_own_row_and_ratio(tiny_models, tmp_path) -> None:
