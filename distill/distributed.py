@@ -414,6 +414,12 @@ def writes_for_this_machine(accelerator: Accelerator) -> bool:
     return accelerator.is_local_main_process
 
 
+def machine_share(accelerator: Accelerator) -> tuple[int, int]:
+    """This process's index among its machine's processes, and their count: for work each machine does once,
+    split over its own devices (a static student's token vectors), where the files stay on the machine's disk."""
+    return accelerator.local_process_index, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+
+
 def on_main_process(accelerator: Accelerator, write: Callable[[], T]) -> T | None:
     """`write()` on the main process only, then a barrier: for the leaf writers (results, reports, exports)."""
     value = write() if accelerator.is_main_process else None

@@ -23,7 +23,7 @@ from torch import nn
 
 from distill.batching import TokenizedTexts, map_sharded
 from distill.config import Config, ModelConfig
-from distill.distributed import main_decides, progress_bar
+from distill.distributed import machine_share, main_decides, progress_bar
 from distill.errors import DistillError
 from distill.hub import declared_dimension, load_sentence_transformer, resolve_model
 from distill.students import is_static, texts_for
@@ -369,13 +369,20 @@ PCA_FIT_SAMPLES = 32768  # rows of the teacher's vectors its principal axes are 
 
 
 def load_student_kind(accelerator: Accelerator, config: Config) -> SentenceTransformer:
-    """The student --student_model names: a static table (distilled by model2vec on each machine's first process,
-    which keeps it for the others), or a transformer cut to its layers."""
+    """The student --student_model names: a static table (distilled by model2vec, each machine's processes
+    sharing the vocabulary, kept for the next run), or a transformer cut to its layers."""
     model = config.model
     if is_static(model.student_model):
         cache_dir = Path(config.output.teacher_cache_dir)
-        with accelerator.local_main_process_first():
-            return load_static_student(model.student_model, model.teacher_model, model.student_dim, cache_dir)
+        return load_static_student(
+            model.student_model,
+            model.teacher_model,
+            model.student_dim,
+            cache_dir,
+            device=str(accelerator.device),
+            share=machine_share(accelerator),
+            wait=accelerator.wait_for_everyone,
+        )
     student = load_student(
         model.student_model,
         model.student_num_layers,

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +19,8 @@ from distill.errors import DistillError
 from distill.students import is_static, is_static_model, texts_for
 from distill.students.static import StaticTexts, load_static_student, static_table
 from distill.train import main
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +53,38 @@ def test_static_batches_are_model2vecs_tokens_and_give_encodes_vectors(static_st
     with torch.no_grad():
         vectors = static_student(features)["sentence_embedding"].numpy()
     np.testing.assert_allclose(vectors, reference.encode([texts[4], texts[0], texts[7]]), atol=1e-6)
+
+
+def test_token_vectors_split_over_processes_give_model2vecs_own_table(tiny_models, tmp_path, monkeypatch) -> None:
+    """Two processes' shares of the vocabulary, in files of 16 tokens, make the table model2vec's `distill` makes
+    in one go; a later run with every file kept builds it again without loading the model."""
+    from model2vec.distill import distill
+
+    from distill.students import static
+
+    monkeypatch.setattr(static, "TOKEN_CHUNK", 16)
+    teacher = str(tiny_models["teacher"])
+    tokens = tmp_path / f"static-{static.model_fingerprint(teacher)[:16]}-tokens"
+    static.token_vectors(teacher, tokens, "cpu", (1, 2))  # the second process: files 1, 3, 5, ...
+    second = sorted(p.name for p in tokens.glob("*.npy"))
+    assert second and all(int(name[:5]) % 2 == 1 for name in second)
+    waits = []
+    ours = static.distilled_embedding(teacher, 16, tmp_path, "cpu", (0, 2), lambda: waits.append(1))
+    assert len(waits) == 2  # the first process computes files 0, 2, 4, ..., waits, builds the table, waits
+    reference = distill(teacher, pca_dims=16)
+    assert ours.tokenizer.get_vocab() == reference.tokenizer.get_vocab()
+    np.testing.assert_allclose(
+        ours.embedding.weight.detach().numpy(), np.asarray(reference.embedding, np.float32), atol=1e-3
+    )
+
+    shutil.rmtree(next(tmp_path.glob("static-*-16")))  # the table gone, the token files kept
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded again")
+
+    monkeypatch.setattr("transformers.AutoModel.from_pretrained", no_model)
+    again = static.distilled_embedding(teacher, 16, tmp_path)
+    np.testing.assert_array_equal(again.embedding.weight.detach().numpy(), ours.embedding.weight.detach().numpy())
 
 
 def test_static_table_folds_the_linear_modules_after_it(static_student) -> None:
@@ -102,6 +140,53 @@ def test_a_static_run_exports_folders_that_both_libraries_load_alike(tiny_models
     np.testing.assert_allclose(from_st, from_model2vec, atol=1e-6)  # float32 precision
     card = (out / "artifacts" / "model2vec" / "README.md").read_text()
     assert "model2vec model" in card and "## Distillation" in card
+
+
+@pytest.mark.multiprocess
+def test_two_processes_distil_the_table_together_and_train_as_one_with_twice_the_batch(
+    tiny_models, tiny_data, tmp_path
+) -> None:
+    """Two processes distil the table (a cold cache of their own; each takes its share of the token-vector files,
+    then waits for the other) as one process does; their static student then follows one process at twice the
+    batch, both phases."""
+    from safetensors.torch import load_file
+
+    runs = {}
+    for processes, batch in ((2, 4), (1, 8)):
+        out = tmp_path / f"p{processes}"
+        flags = tiny_run_flags(
+            tiny_models,
+            tiny_data,
+            out,
+            student_model=f"static:{tiny_models['teacher']}",
+            student_dim=16,
+            use_projection=False,
+            phase1_lr=1e-2,
+            batch_size=batch,
+            save_to_artifacts=True,
+            teacher_cache_dir=tmp_path / f"cache{processes}",
+        )
+        command = [sys.executable, "-m", "distill.train", "--num_processes", str(processes), *flags]
+        done = subprocess.run(
+            command,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"),
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+        runs[processes] = out
+    tables = [load_file(str(next((tmp_path / f"cache{p}").glob("static-*-16")) / "model.safetensors")) for p in (2, 1)]
+    assert tables[0].keys() == tables[1].keys() and all(torch.equal(tables[0][k], tables[1][k]) for k in tables[0])
+    results = [json.loads((runs[p] / "results.json").read_text()) for p in (2, 1)]
+    assert [r["world_size"] for r in results] == [2, 1]
+    for phase in ("phase1", "phase2"):
+        two, one = (r["phases"][phase]["losses"] for r in results)
+        assert len(two) == len(one) > 0 and two == pytest.approx(one, abs=1e-4), phase
+    weights = [load_file(str(runs[p] / "artifacts" / "model" / "model.safetensors")) for p in (2, 1)]
+    for key in weights[1]:
+        torch.testing.assert_close(weights[0][key], weights[1][key], atol=1e-4, rtol=1e-3)
 
 
 @pytest.mark.parametrize(

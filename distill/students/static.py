@@ -8,7 +8,9 @@ the table, so the loop, checkpoints, evaluation, the cost stage and export treat
 `--student_model static` distils the teacher's tokens; `static:<model>` another model's (a teacher whose tokenizer
 does not suit, byte-level BPE say, or one behind an endpoint); a model2vec folder or a SentenceTransformer folder
 whose first module is a `StaticEmbedding` starts from that table. Distilled tables are kept in the teacher cache
-folder, keyed by the model's weights and the width.
+folder, keyed by the model's weights and the width. The distillation's forward passes (one per vocabulary token)
+are split over each machine's processes, each on its own device, and kept in files as they are done
+(`distilled_embedding`): a 7B teacher's 150k tokens take a few minutes on eight GPUs, and resume where they stop.
 
 Texts are tokenized as model2vec tokenizes them (no special tokens, unknown tokens dropped), so the exported
 model2vec folder gives the trained student's vectors; sentence-transformers' `StaticEmbedding` keeps unknown
@@ -17,9 +19,13 @@ tokens in its mean, so the two folders differ for texts with tokens outside the 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +34,7 @@ import torch
 
 from distill.batching import TokenizedTexts
 from distill.errors import DistillError
+from distill.files import write_atomic
 from distill.hub import model_fingerprint, resolve_model
 
 if TYPE_CHECKING:
@@ -73,10 +80,17 @@ def source_model(name: str, teacher_model: str | None) -> str:
 
 
 def load_static_student(
-    name: str, teacher_model: str | None, dim: int | None, cache_dir: Path, device: str = "cpu"
+    name: str,
+    teacher_model: str | None,
+    dim: int | None,
+    cache_dir: Path,
+    device: str = "cpu",
+    share: tuple[int, int] = (0, 1),
+    wait: Callable[[], object] = lambda: None,
 ) -> SentenceTransformer:
     """The static student: a StaticEmbedding (the table) and a Normalize, from a folder or from model2vec's
-    distillation of a model (kept in `cache_dir` for the next run)."""
+    distillation of a model (kept in `cache_dir` for the next run). `share` is this process's place among the
+    processes that distil together, `wait` their barrier (see `distilled_embedding`)."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Normalize, StaticEmbedding
 
@@ -86,36 +100,135 @@ def load_static_student(
     if folder.is_dir():
         embedding = StaticEmbedding.from_model2vec(str(folder))
     else:
-        embedding = distilled_embedding(source_model(name, teacher_model), dim or DEFAULT_DIM, cache_dir)
+        source = source_model(name, teacher_model)
+        embedding = distilled_embedding(source, dim or DEFAULT_DIM, cache_dir, device, share, wait)
     # float32 whatever model2vec stored: the optimizer keeps float32 weights, mixed precision is autocast's
     return SentenceTransformer(modules=[embedding, Normalize()], device=device).float()
 
 
-def distilled_embedding(source: str, dim: int, cache_dir: Path) -> Any:
-    """model2vec's distillation of `source` to `dim` dimensions as a StaticEmbedding, from the cache when kept."""
-    from model2vec import StaticModel
+TOKEN_CHUNK = 4096  # vocabulary tokens per kept file of token vectors
+SIF_COEFFICIENT = 1e-4  # model2vec's default token weighting
+UNUSED_TOKENS = r"\[unused\d+\]"  # model2vec's default: BERT's placeholder tokens leave the vocabulary
+
+
+def distilled_embedding(
+    source: str,
+    dim: int,
+    cache_dir: Path,
+    device: str = "cpu",
+    share: tuple[int, int] = (0, 1),
+    wait: Callable[[], object] = lambda: None,
+) -> Any:
+    """model2vec's distillation of `source` to `dim` dimensions as a StaticEmbedding, from the cache when kept.
+
+    model2vec's `distill` runs every vocabulary token through the model in one process: for a 7B model with a
+    150k vocabulary that is hours on one device, and lost if the job stops. Here the same steps (its vocabulary
+    cleaning, `create_embeddings`, SIF weights, PCA, float16) run with the tokens cut into files of TOKEN_CHUNK:
+    file i is computed by process i mod n of the `share` (index, n) on its own device, each kept as it is done,
+    so the processes of a machine split the work and a stopped job resumes. After `wait` (every process calls it
+    twice), the first process of the share builds the table and keeps it.
+    """
     from sentence_transformers.sentence_transformer.modules import StaticEmbedding
 
     path = resolve_model(source)
     key = model_fingerprint(path)[:16]
     kept = Path(cache_dir).expanduser() / f"static-{key}-{dim}"
     if not (kept / "config.json").is_file():
-        try:
-            from model2vec.distill import distill
-        except ImportError as e:
-            raise DistillError(
-                f"a static student needs model2vec's distillation ({e.name} is missing); install it with: "
-                'pip install "model2vec>=0.10" "skeletoken>=0.6,<0.7"'
-            ) from None
-        model = distill(path, pca_dims=dim)
-        staging = kept.with_name(f".{kept.name}.partial-{os.getpid()}")
-        model.save_pretrained(str(staging))
-        try:
-            staging.replace(kept)  # whole or not at all
-        except OSError:  # another machine sharing the folder kept it first
-            shutil.rmtree(staging, ignore_errors=True)
-    model = StaticModel.from_pretrained(str(kept), force_download=False)
+        tokenizer_model, vectors = token_vectors(path, kept.with_name(f"static-{key}-tokens"), device, share)
+        wait()
+        if share[0] == 0:
+            staging = kept.with_name(f".{kept.name}.partial-{os.getpid()}")
+            static_model(path, tokenizer_model, vectors(), dim).save_pretrained(str(staging))
+            try:
+                staging.replace(kept)  # whole or not at all
+            except OSError:  # another machine sharing the folder kept it first
+                shutil.rmtree(staging, ignore_errors=True)
+        wait()
+    model = _model2vec().StaticModel.from_pretrained(str(kept), force_download=False)
     return StaticEmbedding(model.tokenizer, embedding_weights=np.asarray(model.embedding), base_model=source)
+
+
+def token_vectors(path: str, folder: Path, device: str, share: tuple[int, int]) -> tuple[Any, Callable[[], np.ndarray]]:
+    """The cleaned vocabulary (a skeletoken TokenizerModel) and a reader of all its tokens' vectors, after this
+    process has computed and kept its share of the files that are missing."""
+    from model2vec.distill.inference import create_embeddings
+    from model2vec.tokenizer import clean_and_create_vocabulary, turn_tokens_into_ids
+    from skeletoken import TokenizerModel
+    from transformers import AutoTokenizer
+
+    original = TokenizerModel.from_transformers_tokenizer(AutoTokenizer.from_pretrained(path, use_fast=True))
+    original = original.prune_added_tokens()
+    tokenizer_model = original.deep_copy()
+    if tokenizer_model.adds_prefix_space is not None:
+        tokenizer_model.adds_prefix_space = True
+    tokenizer_model = clean_and_create_vocabulary(tokenizer_model, [], token_remove_regex=re.compile(UNUSED_TOKENS))
+    ids = turn_tokens_into_ids(tokenizer_model.sorted_vocabulary, original)
+    if not ids:
+        raise DistillError(
+            f"{path} has no vocabulary tokens left to distil; a static student needs a tokenizer's vocabulary"
+        )
+    chunks = [ids[start : start + TOKEN_CHUNK] for start in range(0, len(ids), TOKEN_CHUNK)]
+    files = [
+        folder / f"{i:05d}-{hashlib.sha256(json.dumps(chunk).encode()).hexdigest()[:12]}.npy"
+        for i, chunk in enumerate(chunks)
+    ]
+    mine = [i for i in range(share[0], len(chunks), share[1]) if not files[i].is_file()]
+    if mine:
+        from skeletoken.external.transformers import reshape_embeddings
+        from transformers import AutoModel
+
+        model = reshape_embeddings(AutoModel.from_pretrained(path), original)
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in mine:
+            write_atomic(
+                files[i], partial(_save, create_embeddings(model, chunks[i], device, original.pad_token_id or 0))
+            )
+        del model
+    return tokenizer_model, lambda: np.concatenate([np.load(file) for file in files])
+
+
+def _save(array: np.ndarray, path: Path) -> None:
+    with path.open("wb") as handle:  # np.save given a name would add ".npy" to it
+        np.save(handle, array)
+
+
+def static_model(path: str, tokenizer_model: Any, vectors: np.ndarray, dim: int) -> Any:
+    """The table as model2vec's `distill_from_model` finishes it: SIF weights, PCA to `dim`, float16."""
+    from model2vec.distill.inference import apply_pca, compute_weights
+    from model2vec.quantization import DType, quantize_embeddings
+
+    weights = compute_weights(len(vectors), sif_coefficient=SIF_COEFFICIENT)
+    table = quantize_embeddings(apply_pca(vectors, dim) * weights[:, None], DType.Float16)
+    config = {
+        "model_type": "model2vec",
+        "architectures": ["StaticModel"],
+        "tokenizer_name": os.path.basename(path),
+        "apply_pca": dim,
+        "sif_coefficient": SIF_COEFFICIENT,
+        "hidden_dim": table.shape[1],
+        "seq_length": 1000000,
+        "normalize": True,
+        "pooling": "mean",
+    }
+    return _model2vec().StaticModel(
+        vectors=table,
+        tokenizer=tokenizer_model.to_tokenizer(),
+        config=config,
+        base_model_name=os.path.basename(path),
+        normalize=True,
+    )
+
+
+def _model2vec() -> Any:
+    try:
+        import model2vec
+        import skeletoken  # noqa: F401  (model2vec's distillation reads tokenizers through it)
+    except ImportError as e:
+        raise DistillError(
+            f"a static student needs model2vec's distillation ({e.name} is missing); install it with: "
+            'pip install "model2vec>=0.10" "skeletoken>=0.6,<0.7"'
+        ) from None
+    return model2vec
 
 
 class StaticTexts(TokenizedTexts):
