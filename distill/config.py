@@ -141,6 +141,13 @@ class ModelConfig:
         default=None,
         help="A static student's width: model2vec's PCA dimensions when it distils the table (default: 256).",
     )
+    student_tokenizer: str | None = _opt(
+        check=MODEL_NAME,
+        default=None,
+        help="A static student's vocabulary: the tokens of this tokenizer (a Hub name or a folder), each run through "
+        "the model it is distilled from as text, for a model whose own tokenizer does not suit a table (a byte-level "
+        "BPE). Default: that model's own tokenizer.",
+    )
     use_projection: bool = _opt(
         default=True,
         help="True: learn a student-dim -> teacher-dim projection. False: Matryoshka mode, teacher truncated.",
@@ -801,6 +808,13 @@ def _student_contradictions(config: Config) -> list[Contradiction]:
             model.student_dim is not None and not static,
             "student_dim: only a static student is distilled to a width; pass --student_model static or drop "
             "--student_dim",
+        ),
+        Contradiction(
+            "student_tokenizer",
+            ("student_model",),
+            model.student_tokenizer is not None and not static,
+            "student_tokenizer: only a static student distilled from a model takes another tokenizer's vocabulary; "
+            "pass --student_model static or drop --student_tokenizer",
         ),
         Contradiction(
             "student_num_layers",

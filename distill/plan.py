@@ -437,7 +437,7 @@ def student_shape(config: Config) -> tuple[Path, ModelShape]:
         dim = int(json.loads((folder / "config.json").read_text()).get("hidden_dim") or DEFAULT_DIM)
     else:
         folder, dim = config_folder(source_model(name, model.teacher_model), None), model.student_dim or DEFAULT_DIM
-    tokenizer = tokenizer_of(folder)
+    tokenizer = tokenizer_of(config_folder(model.student_tokenizer, None) if model.student_tokenizer else folder)
     vocabulary = len(tokenizer) if tokenizer is not None else 0
     return folder, ModelShape(vocabulary * dim, vocabulary * dim, 0, 1, 0, dim, 0, dim)
 

@@ -382,6 +382,7 @@ def load_student_kind(accelerator: Accelerator, config: Config) -> SentenceTrans
             device=str(accelerator.device),
             share=machine_share(accelerator),
             wait=accelerator.wait_for_everyone,
+            tokenizer=model.student_tokenizer,
         )
     student = load_student(
         model.student_model,

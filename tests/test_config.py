@@ -523,6 +523,7 @@ KIND_OPTIONS = {
     "--teacher_vectors",
     "--teacher_weights",
     "--student_dim",
+    "--student_tokenizer",
 }
 
 

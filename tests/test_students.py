@@ -87,6 +87,55 @@ def test_token_vectors_split_over_processes_give_model2vecs_own_table(tiny_model
     np.testing.assert_array_equal(again.embedding.weight.detach().numpy(), ours.embedding.weight.detach().numpy())
 
 
+def test_surface_forms_are_the_texts_the_tokens_stand_for() -> None:
+    from tokenizers import Tokenizer, decoders
+    from tokenizers.models import BPE, WordPiece
+
+    from distill.students.static import surface_forms
+
+    pieces = Tokenizer(WordPiece({"[UNK]": 0, "run": 1, "##ing": 2, "##": 3}, unk_token="[UNK]"))
+    pieces.decoder = decoders.WordPiece()
+    assert surface_forms(pieces, ["run", "##ing", "##", "[UNK]"]) == ["run", "ing", "##", "[UNK]"]
+    byte_level = Tokenizer(BPE({"Ġthe": 0, "the": 1, "Ġ": 2}, []))
+    byte_level.decoder = decoders.ByteLevel()
+    assert surface_forms(byte_level, ["Ġthe", "the", "Ġ"]) == ["the", "the", "Ġ"]
+    metaspace = Tokenizer(BPE({"▁the": 0}, []))
+    metaspace.decoder = decoders.Metaspace()
+    assert surface_forms(metaspace, ["▁the"]) == ["the"]
+
+
+def test_a_named_tokenizers_vocabulary_is_run_through_the_model_as_text(tiny_models, tmp_path) -> None:
+    """A byte-level BPE tokenizer's tokens become the table's rows; its word 'Ġriver' gets the row the model's own
+    distillation gives 'river', and the table tokenizes as the named tokenizer does."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    from tokenizers.trainers import BpeTrainer
+    from transformers import PreTrainedTokenizerFast
+
+    from distill.students import static
+
+    bpe = Tokenizer(BPE(unk_token=None))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(sentences(200, seed=3), trainer)
+    named = tmp_path / "bpe"
+    PreTrainedTokenizerFast(tokenizer_object=bpe).save_pretrained(str(named))
+    teacher = str(tiny_models["teacher"])
+
+    own_model, own = static.token_vectors(teacher, tmp_path / "own", "cpu", (0, 1))
+    bpe_model, through = static.token_vectors(teacher, tmp_path / "through", "cpu", (0, 1), str(named))
+    own_rows, bpe_rows = own_model.sorted_vocabulary, bpe_model.sorted_vocabulary
+    assert "Ġriver" in bpe_rows and len(through()) == len(bpe_rows) != len(own_rows)
+    np.testing.assert_allclose(
+        through()[bpe_rows.index("Ġriver")], own()[own_rows.index("river")], rtol=1e-5, atol=1e-6
+    )
+    student = load_static_student(f"static:{teacher}", None, 16, tmp_path / "cache", tokenizer=str(named))
+    text = "the river and the king"
+    assert student.tokenizer.encode(text).tokens == bpe.encode(text).tokens
+    assert student.encode([text]).shape == (1, 16)
+
+
 def test_static_table_folds_the_linear_modules_after_it(static_student) -> None:
     from distill.student import add_rotation
 
@@ -201,6 +250,10 @@ def test_two_processes_distil_the_table_together_and_train_as_one_with_twice_the
             r"student_num_layers: a static student has no layers",
         ),
         (["--student_model", "static", "--gradient_checkpointing"], r"gradient_checkpointing: a static student has no"),
+        (
+            ["--student_tokenizer", "bert-base-uncased"],
+            r"student_tokenizer: only a static student distilled from a model takes another tokenizer's vocabulary",
+        ),
     ],
 )
 def test_a_static_students_settings_that_do_not_apply_are_refused(argv: list[str], message: str) -> None:

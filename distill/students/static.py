@@ -87,10 +87,12 @@ def load_static_student(
     device: str = "cpu",
     share: tuple[int, int] = (0, 1),
     wait: Callable[[], object] = lambda: None,
+    tokenizer: str | None = None,
 ) -> SentenceTransformer:
     """The static student: a StaticEmbedding (the table) and a Normalize, from a folder or from model2vec's
-    distillation of a model (kept in `cache_dir` for the next run). `share` is this process's place among the
-    processes that distil together, `wait` their barrier (see `distilled_embedding`)."""
+    distillation of a model (kept in `cache_dir` for the next run), over the vocabulary of `tokenizer` where one
+    is named. `share` is this process's place among the processes that distil together, `wait` their barrier
+    (see `distilled_embedding`)."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Normalize, StaticEmbedding
 
@@ -101,7 +103,7 @@ def load_static_student(
         embedding = StaticEmbedding.from_model2vec(str(folder))
     else:
         source = source_model(name, teacher_model)
-        embedding = distilled_embedding(source, dim or DEFAULT_DIM, cache_dir, device, share, wait)
+        embedding = distilled_embedding(source, dim or DEFAULT_DIM, cache_dir, device, share, wait, tokenizer)
     # float32 whatever model2vec stored: the optimizer keeps float32 weights, mixed precision is autocast's
     return SentenceTransformer(modules=[embedding, Normalize()], device=device).float()
 
@@ -118,8 +120,13 @@ def distilled_embedding(
     device: str = "cpu",
     share: tuple[int, int] = (0, 1),
     wait: Callable[[], object] = lambda: None,
+    tokenizer: str | None = None,
 ) -> Any:
     """model2vec's distillation of `source` to `dim` dimensions as a StaticEmbedding, from the cache when kept.
+
+    With `tokenizer` (a Hub name or folder), the table's rows are that tokenizer's vocabulary, each token run
+    through `source` as the text it stands for (`surface_forms`), as model2vec runs the words of a vocabulary it is
+    given: for a model whose own tokenizer does not suit a table (a byte-level BPE's 150k pieces, say).
 
     model2vec's `distill` runs every vocabulary token through the model in one process: for a 7B model with a
     150k vocabulary that is hours on one device, and lost if the job stops. Here the same steps (its vocabulary
@@ -131,10 +138,14 @@ def distilled_embedding(
     from sentence_transformers.sentence_transformer.modules import StaticEmbedding
 
     path = resolve_model(source)
+    vocabulary = resolve_model(tokenizer) if tokenizer else None
     key = model_fingerprint(path)[:16]
+    if vocabulary is not None:
+        key = hashlib.sha256(f"{key}:{model_fingerprint(vocabulary)}".encode()).hexdigest()[:16]
     kept = Path(cache_dir).expanduser() / f"static-{key}-{dim}"
     if not (kept / "config.json").is_file():
-        tokenizer_model, vectors = token_vectors(path, kept.with_name(f"static-{key}-tokens"), device, share)
+        tokens = kept.with_name(f"static-{key}-tokens")
+        tokenizer_model, vectors = token_vectors(path, tokens, device, share, vocabulary)
         wait()
         if share[0] == 0:
             staging = kept.with_name(f".{kept.name}.partial-{os.getpid()}")
@@ -148,21 +159,29 @@ def distilled_embedding(
     return StaticEmbedding(model.tokenizer, embedding_weights=np.asarray(model.embedding), base_model=source)
 
 
-def token_vectors(path: str, folder: Path, device: str, share: tuple[int, int]) -> tuple[Any, Callable[[], np.ndarray]]:
-    """The cleaned vocabulary (a skeletoken TokenizerModel) and a reader of all its tokens' vectors, after this
-    process has computed and kept its share of the files that are missing."""
+def token_vectors(
+    path: str, folder: Path, device: str, share: tuple[int, int], vocabulary: str | None = None
+) -> tuple[Any, Callable[[], np.ndarray]]:
+    """The cleaned vocabulary (a skeletoken TokenizerModel: the model's own, or that of the tokenizer in
+    `vocabulary`) and a reader of all its tokens' vectors, after this process has computed and kept its share of
+    the files that are missing."""
     from model2vec.distill.inference import create_embeddings
     from model2vec.tokenizer import clean_and_create_vocabulary, turn_tokens_into_ids
     from skeletoken import TokenizerModel
     from transformers import AutoTokenizer
 
-    original = TokenizerModel.from_transformers_tokenizer(AutoTokenizer.from_pretrained(path, use_fast=True))
-    original = original.prune_added_tokens()
-    tokenizer_model = original.deep_copy()
+    def cleaned(folder: str) -> Any:
+        return TokenizerModel.from_transformers_tokenizer(AutoTokenizer.from_pretrained(folder, use_fast=True))
+
+    original = cleaned(path).prune_added_tokens()
+    tokenizer_model = (original if vocabulary is None else cleaned(vocabulary).prune_added_tokens()).deep_copy()
     if tokenizer_model.adds_prefix_space is not None:
         tokenizer_model.adds_prefix_space = True
     tokenizer_model = clean_and_create_vocabulary(tokenizer_model, [], token_remove_regex=re.compile(UNUSED_TOKENS))
-    ids = turn_tokens_into_ids(tokenizer_model.sorted_vocabulary, original)
+    tokens = tokenizer_model.sorted_vocabulary
+    if vocabulary is not None:  # another tokenizer's tokens reach the model as text, through its own tokenizer
+        tokens = surface_forms(tokenizer_model.to_tokenizer(), tokens)
+    ids = turn_tokens_into_ids(tokens, original)
     if not ids:
         raise DistillError(
             f"{path} has no vocabulary tokens left to distil; a static student needs a tokenizer's vocabulary"
@@ -185,6 +204,21 @@ def token_vectors(path: str, folder: Path, device: str, share: tuple[int, int]) 
             )
         del model
     return tokenizer_model, lambda: np.concatenate([np.load(file) for file in files])
+
+
+def surface_forms(tokenizer: Any, tokens: list[str]) -> list[str]:
+    """Each vocabulary token as the text it stands for: a word piece's continuation prefix dropped ('##ing' ->
+    'ing'), byte-level and metaspace marks decoded ('Ġthe', '▁the' -> 'the'); a token that decodes to nothing
+    stays as it is."""
+    prefix = json.loads(tokenizer.to_str()).get("model", {}).get("continuing_subword_prefix") or ""
+
+    def text(token: str) -> str:
+        if prefix and token.startswith(prefix) and len(token) > len(prefix):
+            token = token[len(prefix) :]
+        decoded = tokenizer.decoder.decode([token]) if tokenizer.decoder is not None else token
+        return decoded.strip() or token
+
+    return [text(token) for token in tokens]
 
 
 def _save(array: np.ndarray, path: Path) -> None:
