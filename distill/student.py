@@ -31,6 +31,7 @@ from distill.students.attention import use_fused_attention, use_unpadded_batches
 from distill.students.static import DEFAULT_DIM as STATIC_DIM
 from distill.students.static import load_static_student
 from distill.teachers import check_teacher, local_model
+from distill.teachers.local import teacher_dtype
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -383,6 +384,7 @@ def load_student_kind(accelerator: Accelerator, config: Config) -> SentenceTrans
             share=machine_share(accelerator),
             wait=accelerator.wait_for_everyone,
             tokenizer=model.student_tokenizer,
+            dtype=teacher_dtype(model.teacher_dtype, accelerator.device),
         )
     student = load_student(
         model.student_model,

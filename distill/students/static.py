@@ -1,16 +1,17 @@
 """A static student: one vector per token, averaged, hundreds of times faster than a transformer on a CPU.
 
-model2vec builds the table (`model2vec.distill`: every vocabulary token through a model, then PCA to the width
-asked for, `--student_dim`); the phases then fit it to the teacher, phase 1 to its sentence vectors (model2vec's
+model2vec's distillation builds the table (every vocabulary token through a model, then PCA to the width asked
+for, `--student_dim`); the phases then fit it to the teacher, phase 1 to its sentence vectors (model2vec's
 own second step, tokenlearn), phase 2 to its in-batch similarities. sentence-transformers' `StaticEmbedding` holds
 the table, so the loop, checkpoints, evaluation, the cost stage and export treat it as any student.
 
-`--student_model static` distils the teacher's tokens; `static:<model>` another model's (a teacher whose tokenizer
-does not suit, byte-level BPE say, or one behind an endpoint); a model2vec folder or a SentenceTransformer folder
-whose first module is a `StaticEmbedding` starts from that table. Distilled tables are kept in the teacher cache
-folder, keyed by the model's weights and the width. The distillation's forward passes (one per vocabulary token)
+`--student_model static` distils the teacher's tokens; `static:<model>` another model's (where the teacher is an
+endpoint or a vectors file); a model2vec folder or a SentenceTransformer folder whose first module is a
+`StaticEmbedding` starts from that table. `--student_tokenizer` puts another tokenizer's vocabulary in the table
+(for a teacher whose byte-level BPE does not suit one). Distilled tables are kept in the teacher cache folder, keyed
+by the model's weights, the vocabulary and the width. The distillation's forward passes (one per vocabulary token)
 are split over each machine's processes, each on its own device, and kept in files as they are done
-(`distilled_embedding`): a 7B teacher's 150k tokens take a few minutes on eight GPUs, and resume where they stop.
+(`distilled_embedding`), so a stopped job resumes where it stopped.
 
 Texts are tokenized as model2vec tokenizes them (no special tokens, unknown tokens dropped), so the exported
 model2vec folder gives the trained student's vectors; sentence-transformers' `StaticEmbedding` keeps unknown
@@ -88,11 +89,12 @@ def load_static_student(
     share: tuple[int, int] = (0, 1),
     wait: Callable[[], object] = lambda: None,
     tokenizer: str | None = None,
+    dtype: str = "float32",
 ) -> SentenceTransformer:
     """The static student: a StaticEmbedding (the table) and a Normalize, from a folder or from model2vec's
     distillation of a model (kept in `cache_dir` for the next run), over the vocabulary of `tokenizer` where one
-    is named. `share` is this process's place among the processes that distil together, `wait` their barrier
-    (see `distilled_embedding`)."""
+    is named. `share` is this process's place among the processes that distil together, `wait` their barrier,
+    `dtype` what the model computes in (see `distilled_embedding`)."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Normalize, StaticEmbedding
 
@@ -103,7 +105,7 @@ def load_static_student(
         embedding = StaticEmbedding.from_model2vec(str(folder))
     else:
         source = source_model(name, teacher_model)
-        embedding = distilled_embedding(source, dim or DEFAULT_DIM, cache_dir, device, share, wait, tokenizer)
+        embedding = distilled_embedding(source, dim or DEFAULT_DIM, cache_dir, device, share, wait, tokenizer, dtype)
     # float32 whatever model2vec stored: the optimizer keeps float32 weights, mixed precision is autocast's
     return SentenceTransformer(modules=[embedding, Normalize()], device=device).float()
 
@@ -121,6 +123,7 @@ def distilled_embedding(
     share: tuple[int, int] = (0, 1),
     wait: Callable[[], object] = lambda: None,
     tokenizer: str | None = None,
+    dtype: str = "float32",
 ) -> Any:
     """model2vec's distillation of `source` to `dim` dimensions as a StaticEmbedding, from the cache when kept.
 
@@ -128,24 +131,28 @@ def distilled_embedding(
     through `source` as the text it stands for (`surface_forms`), as model2vec runs the words of a vocabulary it is
     given: for a model whose own tokenizer does not suit a table (a byte-level BPE's 150k pieces, say).
 
-    model2vec's `distill` runs every vocabulary token through the model in one process: for a 7B model with a
-    150k vocabulary that is hours on one device, and lost if the job stops. Here the same steps (its vocabulary
+    model2vec's `distill` runs every vocabulary token through the model in one process, in float32, and keeps
+    nothing until it ends: a 7B model would take 28 GB of host memory per process to load, and a stopped job would
+    start again. Here the same steps (its vocabulary
     cleaning, `create_embeddings`, SIF weights, PCA, float16) run with the tokens cut into files of TOKEN_CHUNK:
     file i is computed by process i mod n of the `share` (index, n) on its own device, each kept as it is done,
-    so the processes of a machine split the work and a stopped job resumes. After `wait` (every process calls it
-    twice), the first process of the share builds the table and keeps it.
+    so the processes of a machine split the work and a stopped job resumes. The model loads straight onto the
+    device in `dtype` (the teacher's, bfloat16 on a recent GPU; float32, model2vec's, elsewhere). After `wait`
+    (every process calls it twice), the first process of the share builds the table and keeps it.
     """
     from sentence_transformers.sentence_transformer.modules import StaticEmbedding
 
+    model2vec = _model2vec()
     path = resolve_model(source)
     vocabulary = resolve_model(tokenizer) if tokenizer else None
     key = model_fingerprint(path)[:16]
-    if vocabulary is not None:
-        key = hashlib.sha256(f"{key}:{model_fingerprint(vocabulary)}".encode()).hexdigest()[:16]
+    if vocabulary is not None or dtype != "float32":  # the model alone in float32 keeps model2vec's key
+        identity = f"{key}:{model_fingerprint(vocabulary) if vocabulary else ''}:{dtype}"
+        key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     kept = Path(cache_dir).expanduser() / f"static-{key}-{dim}"
     if not (kept / "config.json").is_file():
         tokens = kept.with_name(f"static-{key}-tokens")
-        tokenizer_model, vectors = token_vectors(path, tokens, device, share, vocabulary)
+        tokenizer_model, vectors = token_vectors(path, tokens, device, share, vocabulary, dtype)
         wait()
         if share[0] == 0:
             staging = kept.with_name(f".{kept.name}.partial-{os.getpid()}")
@@ -155,12 +162,17 @@ def distilled_embedding(
             except OSError:  # another machine sharing the folder kept it first
                 shutil.rmtree(staging, ignore_errors=True)
         wait()
-    model = _model2vec().StaticModel.from_pretrained(str(kept), force_download=False)
+    model = model2vec.StaticModel.from_pretrained(str(kept), force_download=False)
     return StaticEmbedding(model.tokenizer, embedding_weights=np.asarray(model.embedding), base_model=source)
 
 
 def token_vectors(
-    path: str, folder: Path, device: str, share: tuple[int, int], vocabulary: str | None = None
+    path: str,
+    folder: Path,
+    device: str,
+    share: tuple[int, int],
+    vocabulary: str | None = None,
+    dtype: str = "float32",
 ) -> tuple[Any, Callable[[], np.ndarray]]:
     """The cleaned vocabulary (a skeletoken TokenizerModel: the model's own, or that of the tokenizer in
     `vocabulary`) and a reader of all its tokens' vectors, after this process has computed and kept its share of
@@ -196,7 +208,8 @@ def token_vectors(
         from skeletoken.external.transformers import reshape_embeddings
         from transformers import AutoModel
 
-        model = reshape_embeddings(AutoModel.from_pretrained(path), original)
+        model = AutoModel.from_pretrained(path, dtype=getattr(torch, dtype), device_map=device)
+        model = reshape_embeddings(model, original)
         folder.mkdir(parents=True, exist_ok=True)
         for i in mine:
             write_atomic(
