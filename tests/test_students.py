@@ -181,7 +181,7 @@ def test_a_static_run_exports_folders_that_both_libraries_load_alike(tiny_models
     assert efficiency["ratios"]["throughput_model2vec"] > 0
     assert "x through model2vec)" in (out / "report.md").read_text()
     assert set(results["exported"]) == {"model", "model2vec"}
-    texts = sentences(12, seed=31)
+    texts = [*sentences(12, seed=31), "the river ☃ and the king", "☃"]  # '☃' is the tokenizer's [UNK]
     from_st = SentenceTransformer(str(out / "artifacts" / "model"), device="cpu").encode(texts)
     from_model2vec = StaticModel.from_pretrained(str(out / "artifacts" / "model2vec"), force_download=False).encode(
         texts

@@ -14,8 +14,9 @@ are split over each machine's processes, each on its own device, and kept in fil
 (`distilled_embedding`), so a stopped job resumes where it stopped.
 
 Texts are tokenized as model2vec tokenizes them (no special tokens, unknown tokens dropped), so the exported
-model2vec folder gives the trained student's vectors; sentence-transformers' `StaticEmbedding` keeps unknown
-tokens in its mean, so the two folders differ for texts with tokens outside the vocabulary.
+model2vec folder gives the trained student's vectors. sentence-transformers' `StaticEmbedding` keeps unknown
+tokens in its mean; their row is zero, so that mean points the same way, and after the Normalize the two folders
+give the same vectors for any text.
 """
 
 from __future__ import annotations
@@ -100,14 +101,22 @@ def load_static_student(
 
     folder = Path(name).expanduser()
     if folder.is_dir() and _is_static_sentence_transformer(folder):
-        return SentenceTransformer(str(folder), device=device).float()
-    if folder.is_dir():
-        embedding = StaticEmbedding.from_model2vec(str(folder))
+        student = SentenceTransformer(str(folder), device=device)
     else:
-        source = source_model(name, teacher_model)
-        embedding = distilled_embedding(source, dim or DEFAULT_DIM, cache_dir, device, share, wait, tokenizer, dtype)
+        if folder.is_dir():
+            embedding = StaticEmbedding.from_model2vec(str(folder))
+        else:
+            source = source_model(name, teacher_model)
+            embedding = distilled_embedding(
+                source, dim or DEFAULT_DIM, cache_dir, device, share, wait, tokenizer, dtype
+            )
+        student = SentenceTransformer(modules=[embedding, Normalize()], device=device)
+    unknown = _unknown_id(student[0].tokenizer)
+    if unknown is not None:  # never trained (dropped from every batch); zero, it leaves a mean's direction alone
+        with torch.no_grad():
+            student[0].embedding.weight[unknown] = 0
     # float32 whatever model2vec stored: the optimizer keeps float32 weights, mixed precision is autocast's
-    return SentenceTransformer(modules=[embedding, Normalize()], device=device).float()
+    return student.float()
 
 
 TOKEN_CHUNK = 4096  # vocabulary tokens per kept file of token vectors
