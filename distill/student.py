@@ -29,7 +29,7 @@ from distill.hub import declared_dimension, load_sentence_transformer, resolve_m
 from distill.students import is_static, texts_for
 from distill.students.attention import use_fused_attention, use_unpadded_batches
 from distill.students.static import DEFAULT_DIM as STATIC_DIM
-from distill.students.static import load_static_student
+from distill.students.static import Distilling, load_static_student
 from distill.teachers import check_teacher, local_model
 from distill.teachers.local import teacher_dtype
 
@@ -375,17 +375,14 @@ def load_student_kind(accelerator: Accelerator, config: Config) -> SentenceTrans
     model = config.model
     if is_static(model.student_model):
         cache_dir = Path(config.output.teacher_cache_dir)
-        return load_static_student(
-            model.student_model,
-            model.teacher_model,
-            model.student_dim,
-            cache_dir,
+        how = Distilling(
             device=str(accelerator.device),
+            dtype=teacher_dtype(model.teacher_dtype, accelerator.device),
+            tokenizer=model.student_tokenizer,
             share=machine_share(accelerator),
             wait=accelerator.wait_for_everyone,
-            tokenizer=model.student_tokenizer,
-            dtype=teacher_dtype(model.teacher_dtype, accelerator.device),
         )
+        return load_static_student(model.student_model, model.teacher_model, model.student_dim, cache_dir, how)
     student = load_student(
         model.student_model,
         model.student_num_layers,

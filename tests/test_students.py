@@ -65,11 +65,13 @@ def test_token_vectors_split_over_processes_give_model2vecs_own_table(tiny_model
     monkeypatch.setattr(static, "TOKEN_CHUNK", 16)
     teacher = str(tiny_models["teacher"])
     tokens = tmp_path / f"static-{static.model_fingerprint(teacher)[:16]}-tokens"
-    static.token_vectors(teacher, tokens, "cpu", (1, 2))  # the second process: files 1, 3, 5, ...
+    static.token_vectors(teacher, tokens, static.Distilling(share=(1, 2)))  # the second process: files 1, 3, 5, ...
     second = sorted(p.name for p in tokens.glob("*.npy"))
     assert second and all(int(name[:5]) % 2 == 1 for name in second)
     waits = []
-    ours = static.distilled_embedding(teacher, 16, tmp_path, "cpu", (0, 2), lambda: waits.append(1))
+    ours = static.distilled_embedding(
+        teacher, 16, tmp_path, static.Distilling(share=(0, 2), wait=lambda: waits.append(1))
+    )
     assert len(waits) == 2  # the first process computes files 0, 2, 4, ..., waits, builds the table, waits
     reference = distill(teacher, pca_dims=16)
     assert ours.tokenizer.get_vocab() == reference.tokenizer.get_vocab()
@@ -123,14 +125,16 @@ def test_a_named_tokenizers_vocabulary_is_run_through_the_model_as_text(tiny_mod
     PreTrainedTokenizerFast(tokenizer_object=bpe).save_pretrained(str(named))
     teacher = str(tiny_models["teacher"])
 
-    own_model, own = static.token_vectors(teacher, tmp_path / "own", "cpu", (0, 1))
-    bpe_model, through = static.token_vectors(teacher, tmp_path / "through", "cpu", (0, 1), str(named))
+    own_model, own = static.token_vectors(teacher, tmp_path / "own")
+    bpe_model, through = static.token_vectors(teacher, tmp_path / "through", static.Distilling(tokenizer=str(named)))
     own_rows, bpe_rows = own_model.sorted_vocabulary, bpe_model.sorted_vocabulary
     assert "Ġriver" in bpe_rows and len(through()) == len(bpe_rows) != len(own_rows)
     np.testing.assert_allclose(
         through()[bpe_rows.index("Ġriver")], own()[own_rows.index("river")], rtol=1e-5, atol=1e-6
     )
-    student = load_static_student(f"static:{teacher}", None, 16, tmp_path / "cache", tokenizer=str(named))
+    student = load_static_student(
+        f"static:{teacher}", None, 16, tmp_path / "cache", static.Distilling(tokenizer=str(named))
+    )
     text = "the river and the king"
     assert student.tokenizer.encode(text).tokens == bpe.encode(text).tokens
     assert student.encode([text]).shape == (1, 16)
@@ -152,22 +156,18 @@ def test_static_table_folds_the_linear_modules_after_it(static_student) -> None:
         del static_student._modules[next(k for k, m in static_student._modules.items() if type(m).__name__ == "Dense")]
 
 
+def static_run_flags(tiny_models, tiny_data, out: Path, **options) -> list[str]:
+    """A tiny run of a 16-d static table distilled from the tiny teacher, exported."""
+    static = {"student_model": f"static:{tiny_models['teacher']}", "student_dim": 16, "use_projection": False}
+    return tiny_run_flags(tiny_models, tiny_data, out, **static, phase1_lr=1e-2, save_to_artifacts=True, **options)
+
+
 def test_a_static_run_exports_folders_that_both_libraries_load_alike(tiny_models, tiny_data, tmp_path) -> None:
     from model2vec import StaticModel
     from sentence_transformers import SentenceTransformer
 
     out = tmp_path / "static"
-    flags = tiny_run_flags(
-        tiny_models,
-        tiny_data,
-        out,
-        student_model=f"static:{tiny_models['teacher']}",
-        student_dim=16,
-        use_projection=False,
-        phase1_lr=1e-2,
-        save_to_artifacts=True,
-        efficiency_texts=16,
-    )
+    flags = static_run_flags(tiny_models, tiny_data, out, efficiency_texts=16)
     assert main(flags) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["student_after"]["teacher_cosine"] > results["student_before"]["teacher_cosine"]
@@ -203,17 +203,8 @@ def test_two_processes_distil_the_table_together_and_train_as_one_with_twice_the
     runs = {}
     for processes, batch in ((2, 4), (1, 8)):
         out = tmp_path / f"p{processes}"
-        flags = tiny_run_flags(
-            tiny_models,
-            tiny_data,
-            out,
-            student_model=f"static:{tiny_models['teacher']}",
-            student_dim=16,
-            use_projection=False,
-            phase1_lr=1e-2,
-            batch_size=batch,
-            save_to_artifacts=True,
-            teacher_cache_dir=tmp_path / f"cache{processes}",
+        flags = static_run_flags(
+            tiny_models, tiny_data, out, batch_size=batch, teacher_cache_dir=tmp_path / f"cache{processes}"
         )
         command = [sys.executable, "-m", "distill.train", "--num_processes", str(processes), *flags]
         done = subprocess.run(

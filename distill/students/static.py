@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -81,36 +82,36 @@ def source_model(name: str, teacher_model: str | None) -> str:
     return source
 
 
+@dataclass(frozen=True)
+class Distilling:
+    """How a table is distilled (`distilled_embedding`): on which device and in what dtype the model runs, over
+    whose vocabulary (`tokenizer`: another tokenizer's, else the model's own), and by which of the processes that
+    distil together (`share`: this one's index and their count; `wait`: their barrier)."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    tokenizer: str | None = None
+    share: tuple[int, int] = (0, 1)
+    wait: Callable[[], object] = lambda: None
+
+
 def load_static_student(
-    name: str,
-    teacher_model: str | None,
-    dim: int | None,
-    cache_dir: Path,
-    device: str = "cpu",
-    share: tuple[int, int] = (0, 1),
-    wait: Callable[[], object] = lambda: None,
-    tokenizer: str | None = None,
-    dtype: str = "float32",
+    name: str, teacher_model: str | None, dim: int | None, cache_dir: Path, how: Distilling = Distilling()
 ) -> SentenceTransformer:
-    """The static student: a StaticEmbedding (the table) and a Normalize, from a folder or from model2vec's
-    distillation of a model (kept in `cache_dir` for the next run), over the vocabulary of `tokenizer` where one
-    is named. `share` is this process's place among the processes that distil together, `wait` their barrier,
-    `dtype` what the model computes in (see `distilled_embedding`)."""
+    """The static student on `how.device`: a StaticEmbedding (the table) and a Normalize, from a folder or from
+    model2vec's distillation of a model (kept in `cache_dir` for the next run)."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Normalize, StaticEmbedding
 
     folder = Path(name).expanduser()
     if folder.is_dir() and _is_static_sentence_transformer(folder):
-        student = SentenceTransformer(str(folder), device=device)
+        student = SentenceTransformer(str(folder), device=how.device)
     else:
         if folder.is_dir():
             embedding = StaticEmbedding.from_model2vec(str(folder))
         else:
-            source = source_model(name, teacher_model)
-            embedding = distilled_embedding(
-                source, dim or DEFAULT_DIM, cache_dir, device, share, wait, tokenizer, dtype
-            )
-        student = SentenceTransformer(modules=[embedding, Normalize()], device=device)
+            embedding = distilled_embedding(source_model(name, teacher_model), dim or DEFAULT_DIM, cache_dir, how)
+        student = SentenceTransformer(modules=[embedding, Normalize()], device=how.device)
     unknown = _unknown_id(student[0].tokenizer)
     if unknown is not None:  # never trained (dropped from every batch); zero, it leaves a mean's direction alone
         with torch.no_grad():
@@ -124,68 +125,50 @@ SIF_COEFFICIENT = 1e-4  # model2vec's default token weighting
 UNUSED_TOKENS = r"\[unused\d+\]"  # model2vec's default: BERT's placeholder tokens leave the vocabulary
 
 
-def distilled_embedding(
-    source: str,
-    dim: int,
-    cache_dir: Path,
-    device: str = "cpu",
-    share: tuple[int, int] = (0, 1),
-    wait: Callable[[], object] = lambda: None,
-    tokenizer: str | None = None,
-    dtype: str = "float32",
-) -> Any:
+def distilled_embedding(source: str, dim: int, cache_dir: Path, how: Distilling = Distilling()) -> Any:
     """model2vec's distillation of `source` to `dim` dimensions as a StaticEmbedding, from the cache when kept.
 
-    With `tokenizer` (a Hub name or folder), the table's rows are that tokenizer's vocabulary, each token run
+    With `how.tokenizer` (a Hub name or folder), the table's rows are that tokenizer's vocabulary, each token run
     through `source` as the text it stands for (`surface_forms`), as model2vec runs the words of a vocabulary it is
     given: for a model whose own tokenizer does not suit a table (a byte-level BPE's 150k pieces, say).
 
     model2vec's `distill` runs every vocabulary token through the model in one process, in float32, and keeps
     nothing until it ends: a 7B model would take 28 GB of host memory per process to load, and a stopped job would
-    start again. Here the same steps (its vocabulary
-    cleaning, `create_embeddings`, SIF weights, PCA, float16) run with the tokens cut into files of TOKEN_CHUNK:
-    file i is computed by process i mod n of the `share` (index, n) on its own device, each kept as it is done,
-    so the processes of a machine split the work and a stopped job resumes. The model loads straight onto the
-    device in `dtype` (the teacher's, bfloat16 on a recent GPU; float32, model2vec's, elsewhere). After `wait`
-    (every process calls it twice), the first process of the share builds the table and keeps it.
+    start again. Here the same steps (its vocabulary cleaning, `create_embeddings`, SIF weights, PCA, float16) run
+    with the tokens cut into files of TOKEN_CHUNK: file i is computed by process i mod n of `how.share` (index, n)
+    on its own device, each kept as it is done, so the processes of a machine split the work and a stopped job
+    resumes. The model loads straight onto the device in `how.dtype` (the teacher's: bfloat16 on a recent GPU,
+    float32, model2vec's, elsewhere). After `how.wait` (every process calls it twice), the first process of the
+    share builds the table and keeps it.
     """
     from sentence_transformers.sentence_transformer.modules import StaticEmbedding
 
     model2vec = _model2vec()
     path = resolve_model(source)
-    vocabulary = resolve_model(tokenizer) if tokenizer else None
     key = model_fingerprint(path)[:16]
-    if vocabulary is not None or dtype != "float32":  # the model alone in float32 keeps model2vec's key
-        identity = f"{key}:{model_fingerprint(vocabulary) if vocabulary else ''}:{dtype}"
-        key = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    if how.tokenizer or how.dtype != "float32":  # the model's own vocabulary in float32 keeps model2vec's key
+        vocabulary = model_fingerprint(resolve_model(how.tokenizer)) if how.tokenizer else ""
+        key = hashlib.sha256(f"{key}:{vocabulary}:{how.dtype}".encode()).hexdigest()[:16]
     kept = Path(cache_dir).expanduser() / f"static-{key}-{dim}"
     if not (kept / "config.json").is_file():
-        tokens = kept.with_name(f"static-{key}-tokens")
-        tokenizer_model, vectors = token_vectors(path, tokens, device, share, vocabulary, dtype)
-        wait()
-        if share[0] == 0:
+        tokenizer_model, vectors = token_vectors(path, kept.with_name(f"static-{key}-tokens"), how)
+        how.wait()
+        if how.share[0] == 0:
             staging = kept.with_name(f".{kept.name}.partial-{os.getpid()}")
             static_model(path, tokenizer_model, vectors(), dim).save_pretrained(str(staging))
             try:
                 staging.replace(kept)  # whole or not at all
             except OSError:  # another machine sharing the folder kept it first
                 shutil.rmtree(staging, ignore_errors=True)
-        wait()
+        how.wait()
     model = model2vec.StaticModel.from_pretrained(str(kept), force_download=False)
     return StaticEmbedding(model.tokenizer, embedding_weights=np.asarray(model.embedding), base_model=source)
 
 
-def token_vectors(
-    path: str,
-    folder: Path,
-    device: str,
-    share: tuple[int, int],
-    vocabulary: str | None = None,
-    dtype: str = "float32",
-) -> tuple[Any, Callable[[], np.ndarray]]:
-    """The cleaned vocabulary (a skeletoken TokenizerModel: the model's own, or that of the tokenizer in
-    `vocabulary`) and a reader of all its tokens' vectors, after this process has computed and kept its share of
-    the files that are missing."""
+def token_vectors(path: str, folder: Path, how: Distilling = Distilling()) -> tuple[Any, Callable[[], np.ndarray]]:
+    """The cleaned vocabulary (a skeletoken TokenizerModel: the model's own, or that of `how.tokenizer`) and a
+    reader of all its tokens' vectors, after this process has computed and kept its share of the files that are
+    missing."""
     from model2vec.distill.inference import create_embeddings
     from model2vec.tokenizer import clean_and_create_vocabulary, turn_tokens_into_ids
     from skeletoken import TokenizerModel
@@ -194,6 +177,7 @@ def token_vectors(
     def cleaned(folder: str) -> Any:
         return TokenizerModel.from_transformers_tokenizer(AutoTokenizer.from_pretrained(folder, use_fast=True))
 
+    vocabulary = resolve_model(how.tokenizer) if how.tokenizer else None
     original = cleaned(path).prune_added_tokens()
     tokenizer_model = (original if vocabulary is None else cleaned(vocabulary).prune_added_tokens()).deep_copy()
     if tokenizer_model.adds_prefix_space is not None:
@@ -212,17 +196,17 @@ def token_vectors(
         folder / f"{i:05d}-{hashlib.sha256(json.dumps(chunk).encode()).hexdigest()[:12]}.npy"
         for i, chunk in enumerate(chunks)
     ]
-    mine = [i for i in range(share[0], len(chunks), share[1]) if not files[i].is_file()]
+    mine = [i for i in range(how.share[0], len(chunks), how.share[1]) if not files[i].is_file()]
     if mine:
         from skeletoken.external.transformers import reshape_embeddings
         from transformers import AutoModel
 
-        model = AutoModel.from_pretrained(path, dtype=getattr(torch, dtype), device_map=device)
+        model = AutoModel.from_pretrained(path, dtype=getattr(torch, how.dtype), device_map=how.device)
         model = reshape_embeddings(model, original)
         folder.mkdir(parents=True, exist_ok=True)
         for i in mine:
             write_atomic(
-                files[i], partial(_save, create_embeddings(model, chunks[i], device, original.pad_token_id or 0))
+                files[i], partial(_save, create_embeddings(model, chunks[i], how.device, original.pad_token_id or 0))
             )
         del model
     return tokenizer_model, lambda: np.concatenate([np.load(file) for file in files])
