@@ -208,7 +208,12 @@ def measure(
         model.device,
     )
     return ModelCost(
-        sum(p.numel() for p in model.parameters()), dim, weights_bytes(model, folder), speed, latency, rate
+        parameters=sum(p.numel() for p in model.parameters()),
+        dim=dim,
+        weights_bytes=weights_bytes(model, folder),
+        texts_per_second=speed,
+        latency_ms=latency,
+        machine_gflops=rate,
     )
 
 
@@ -222,7 +227,14 @@ def measure_model2vec(model: Any, texts: CostTexts) -> ModelCost:
         texts,
         torch.device("cpu"),
     )
-    return ModelCost(int(model.embedding.size), dim, int(model.embedding.nbytes), speed, latency, rate)
+    return ModelCost(
+        parameters=int(model.embedding.size),
+        dim=dim,
+        weights_bytes=int(model.embedding.nbytes),
+        texts_per_second=speed,
+        latency_ms=latency,
+        machine_gflops=rate,
+    )
 
 
 def timed(
@@ -338,14 +350,14 @@ class Efficiency:
         """Student against teacher: throughput as a speed-up; parameters, weights and latency as fractions."""
         assert self.teacher is not None
         t, s = self.teacher, self.student
-        ratios = {
-            "throughput": round(s.texts_per_second / max(t.texts_per_second, 1e-9), 2),
-            "latency": round(s.latency_ms / max(t.latency_ms, 1e-9), 2),
-        }
+
+        def speed(cost: ModelCost) -> tuple[float, float]:  # throughput as a speed-up, latency as a fraction
+            throughput = round(cost.texts_per_second / max(t.texts_per_second, 1e-9), 2)
+            return throughput, round(cost.latency_ms / max(t.latency_ms, 1e-9), 2)
+
+        ratios = dict(zip(("throughput", "latency"), speed(s)))
         if self.student_model2vec is not None:
-            m2v = self.student_model2vec
-            ratios["throughput_model2vec"] = round(m2v.texts_per_second / max(t.texts_per_second, 1e-9), 2)
-            ratios["latency_model2vec"] = round(m2v.latency_ms / max(t.latency_ms, 1e-9), 2)
+            ratios["throughput_model2vec"], ratios["latency_model2vec"] = speed(self.student_model2vec)
         if t.parameters:  # a served teacher's size is not known here
             ratios["parameters"] = round(s.parameters / max(t.parameters, 1), 2)
             ratios["weights"] = round(s.weights_bytes / max(t.weights_bytes, 1), 2)
