@@ -28,7 +28,7 @@ from distill.distributed import on_main_process
 from distill.errors import DistillError, first_line
 from distill.student import DistillationModel, matryoshka_dims, normalize_module
 from distill.students import is_static_model
-from distill.students.static import MODEL2VEC_FOLDER, save_model2vec
+from distill.students.static import MODEL2VEC_FOLDER, one_table, save_model2vec
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -40,13 +40,16 @@ def deployable_model(model: DistillationModel) -> SentenceTransformer:
     """The SentenceTransformer users get: the student, then projection + Normalize in projection mode.
 
     In Matryoshka mode a student that does not end with a Normalize gets one: the losses compare re-normalised
-    vectors, so its own norms were never trained, and a dot product on them would rank by noise.
+    vectors, so its own norms were never trained, and a dot product on them would rank by noise. A static
+    student's linear modules (its rotation, a projection) fold into its table: one lookup and mean a text.
     """
     from sentence_transformers import SentenceTransformer
 
     student = model.student
     normalize = normalize_module()
     head = [] if model.projection is None else [model.projection]
+    if is_static_model(student):
+        return one_table(SentenceTransformer(modules=[*student, *head], device=str(student.device)))
     if not head and isinstance(student[-1], type(normalize)):
         return student
     modules = [*student, *head, normalize]

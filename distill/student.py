@@ -11,6 +11,7 @@ the teacher (projected to the teacher's dimension, or the student's own in Matry
 from __future__ import annotations
 
 from collections import OrderedDict
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,7 @@ from distill.config import Config, ModelConfig
 from distill.distributed import machine_share, main_decides, progress_bar
 from distill.errors import DistillError
 from distill.hub import declared_dimension, load_sentence_transformer, resolve_model
-from distill.students import is_static, texts_for
+from distill.students import is_static, is_static_model, texts_for
 from distill.students.attention import use_fused_attention, use_unpadded_batches
 from distill.students.static import DEFAULT_DIM as STATIC_DIM
 from distill.students.static import Distilling, load_static_student
@@ -267,18 +268,22 @@ def linear_dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.M
     )
 
 
-def least_squares_projection(student_embeddings: torch.Tensor, teacher_embeddings: torch.Tensor) -> nn.Module:
-    """A linear Dense layer (with bias) fitted to send student vectors to teacher vectors, by ridge least squares.
+def least_squares_projection(
+    student_embeddings: torch.Tensor, teacher_embeddings: torch.Tensor, bias: bool = True
+) -> nn.Module:
+    """A linear Dense layer (with a bias, unless `bias` is False) fitted to send student vectors to teacher
+    vectors, by ridge least squares.
 
     A projection initialised this way starts from the best linear fit rather than noise, so the first
     steps train the student instead of undoing a random map.
     """
     x = student_embeddings.double()
     y = teacher_embeddings.double()
-    x1 = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], dim=1)  # (n, s+1): the last column fits the bias
-    ridge = 1e-3 * torch.eye(x1.shape[1], dtype=x.dtype) * (x1.pow(2).sum() / len(x))
-    solution = torch.linalg.solve(x1.T @ x1 + ridge, x1.T @ y)  # (s+1, t)
-    return linear_dense(solution[:-1], solution[-1])
+    if bias:  # (n, s+1): the last column fits the bias
+        x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], dim=1)
+    ridge = 1e-3 * torch.eye(x.shape[1], dtype=x.dtype) * (x.pow(2).sum() / len(x))
+    solution = torch.linalg.solve(x.T @ x + ridge, x.T @ y)  # (s(+1), t)
+    return linear_dense(solution[:-1], solution[-1]) if bias else linear_dense(solution)
 
 
 def orthogonal_projection(student_embeddings: torch.Tensor, teacher_embeddings: torch.Tensor) -> nn.Module:
@@ -423,8 +428,10 @@ def build_student(
     sampled_targets = np.asarray(targets[sample], dtype=np.float32)
     if config.model.use_projection:
         # an orthonormal map keeps every cosine of the student (docs/QUALITY.md); a student wider than its teacher
-        # has none, and gets the least-squares fit
-        fit = orthogonal_projection if student_dim <= teacher_dim else least_squares_projection
+        # has none, and gets the least-squares fit: without a bias for a table, whose export folds the projection
+        # in after the table's own Normalize (distill/students/static.py)
+        wide = partial(least_squares_projection, bias=not is_static_model(student))
+        fit = orthogonal_projection if student_dim <= teacher_dim else wide
         projection = fit(torch.from_numpy(student_vectors), torch.from_numpy(sampled_targets))  # fitted on the CPU
         return DistillationModel(student, projection.to(accelerator.device)), None, None
     # MRL with a PCA basis: the teacher's coordinates ordered by variance, so its truncations keep the most;

@@ -17,7 +17,7 @@ from conftest import sentences, tiny_run_flags
 from distill.config import load_config
 from distill.errors import DistillError
 from distill.students import is_static, is_static_model, texts_for
-from distill.students.static import StaticTexts, load_static_student, static_table
+from distill.students.static import StaticTexts, load_static_student, one_table, static_table
 from distill.train import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -152,8 +152,31 @@ def test_static_table_folds_the_linear_modules_after_it(static_student) -> None:
         means = np.stack([table[tokens.ids[tokens.offsets[i] : tokens.offsets[i + 1]]].mean(axis=0) for i in range(5)])
         means /= np.linalg.norm(means, axis=1, keepdims=True)
         np.testing.assert_allclose(static_student.encode(texts), means, atol=1e-5)
+        # what users get: that table and a Normalize, the same vectors, a text with an unknown token ('☃') too
+        folded = one_table(static_student)
+        assert [type(m).__name__ for m in folded] == ["StaticEmbedding", "Normalize"]
+        texts.append("the river ☃ and the king")
+        np.testing.assert_allclose(folded.encode(texts), static_student.encode(texts), atol=1e-6)
     finally:
         del static_student._modules[next(k for k, m in static_student._modules.items() if type(m).__name__ == "Dense")]
+
+
+def test_a_bias_after_the_tables_normalize_does_not_fold(static_student, tmp_path) -> None:
+    """normalize(mean E) W + b is no mean of one table: the export refuses it, and the projection a table gets
+    when it is wider than its teacher has no bias."""
+    from sentence_transformers import SentenceTransformer
+
+    from distill.student import least_squares_projection, linear_dense
+
+    x, y = torch.randn(64, 16), torch.randn(64, 8)
+    assert least_squares_projection(x, y, bias=False).linear.bias is None
+    biased = SentenceTransformer(modules=[*static_student, linear_dense(torch.eye(16), torch.ones(16))])
+    with pytest.raises(DistillError, match="has a bias after a Normalize"):
+        static_table(biased)
+    folder = tmp_path / "biased"
+    biased.save(str(folder))
+    with pytest.raises(DistillError, match="start from a static folder whose modules"):  # at once, not at export
+        load_static_student(str(folder), None, None, tmp_path / "cache")
 
 
 def static_run_flags(tiny_models, tiny_data, out: Path, **options) -> list[str]:
@@ -181,12 +204,16 @@ def test_a_static_run_exports_folders_that_both_libraries_load_alike(tiny_models
     assert efficiency["ratios"]["throughput_model2vec"] > 0
     assert "x through model2vec)" in (out / "report.md").read_text()
     assert set(results["exported"]) == {"model", "model2vec"}
-    texts = [*sentences(12, seed=31), "the river ☃ and the king", "☃"]  # '☃' is the tokenizer's [UNK]
+    modules = json.loads((out / "artifacts" / "model" / "modules.json").read_text())
+    assert [m["type"].rsplit(".", 1)[1] for m in modules] == ["StaticEmbedding", "Normalize"]  # the rotation folded in
+    exported = StaticModel.from_pretrained(str(out / "artifacts" / "model2vec"), force_download=False)
+    long = " ".join(sentences(150, seed=32))  # past model2vec's default limit of 512 tokens: neither export truncates
+    assert len(exported.tokenize([long])[0]) > 512
+    texts = [*sentences(12, seed=31), "the river ☃ and the king", "☃", long]  # '☃' is the tokenizer's [UNK]
     from_st = SentenceTransformer(str(out / "artifacts" / "model"), device="cpu").encode(texts)
-    from_model2vec = StaticModel.from_pretrained(str(out / "artifacts" / "model2vec"), force_download=False).encode(
-        texts
-    )
-    np.testing.assert_allclose(from_st, from_model2vec, atol=1e-6)  # float32 precision
+    from_model2vec = exported.encode(texts)
+    np.testing.assert_allclose(from_st[:-1], from_model2vec[:-1], atol=1e-6)  # float32 precision
+    np.testing.assert_allclose(from_st[-1], from_model2vec[-1], atol=1e-5)  # float32 sums of 1,500 tokens, two orders
     card = (out / "artifacts" / "model2vec" / "README.md").read_text()
     assert "model2vec model" in card and "## Distillation" in card
 

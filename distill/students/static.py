@@ -106,12 +106,16 @@ def load_static_student(
     folder = Path(name).expanduser()
     if folder.is_dir() and _is_static_sentence_transformer(folder):
         student = SentenceTransformer(str(folder), device=how.device)
+        static_table(student)  # a module that cannot fold into the table stops the run now, not at its export
     else:
         if folder.is_dir():
             embedding = StaticEmbedding.from_model2vec(str(folder))
         else:
             embedding = distilled_embedding(source_model(name, teacher_model), dim or DEFAULT_DIM, cache_dir, how)
         student = SentenceTransformer(modules=[embedding, Normalize()], device=how.device)
+    # every token, as the model2vec export reads them: model2vec's loader leaves its own default of 512 on the
+    # tokenizer, which StaticEmbedding would keep, and model2vec cuts by characters, not tokens, where it truncates
+    student[0].tokenizer.no_truncation()
     unknown = _unknown_id(student[0].tokenizer)
     if unknown is not None:  # never trained (dropped from every batch); zero, it leaves a mean's direction alone
         with torch.no_grad():
@@ -319,16 +323,39 @@ def static_table(student: SentenceTransformer) -> torch.Tensor | None:
     if not modules or not isinstance(modules[0], StaticEmbedding):
         return None
     table = modules[0].embedding.weight.detach().float().cpu()
+    normalized = False  # a Normalize before a linear module only scales its input: it folds where there is no bias
     for module in modules[1:]:
         if isinstance(module, Normalize):
+            normalized = True
             continue
-        if not isinstance(getattr(module, "activation_function", None), torch.nn.Identity):
+        linear = isinstance(getattr(module, "activation_function", None), torch.nn.Identity)
+        if not linear or (normalized and getattr(getattr(module, "linear", None), "bias", None) is not None):
             raise DistillError(
-                f"a static student's {type(module).__name__} is not linear; it cannot be exported to model2vec"
+                f"a static student's {type(module).__name__} is not linear, or has a bias after a Normalize, so it "
+                "cannot fold into the table both exports hold; start from a static folder whose modules after the "
+                "table are Dense layers without activation (and without a bias after a Normalize)"
             )
         with torch.no_grad():
             table = module({"sentence_embedding": table})["sentence_embedding"].float().cpu()
     return table
+
+
+def one_table(student: SentenceTransformer) -> SentenceTransformer:
+    """A static student as users get it: one table, with every linear module after it folded in, and a Normalize.
+
+    The same vectors as the student, to float32 rounding, from one lookup and mean a text (the model2vec folder's
+    table); the unknown token's row stays zero, so both exports agree.
+    """
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, StaticEmbedding
+
+    table, first = static_table(student), student[0]
+    assert table is not None, "one_table takes a static student"
+    unknown = _unknown_id(first.tokenizer)
+    if unknown is not None:
+        table[unknown] = 0
+    embedding = StaticEmbedding(first.tokenizer, embedding_weights=table, base_model=first.base_model)
+    return SentenceTransformer(modules=[embedding, Normalize()], device=str(student.device))
 
 
 def as_model2vec(student: SentenceTransformer) -> Any | None:
