@@ -21,6 +21,7 @@ import ctypes
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from accelerate.utils import (
     DDPCommunicationHookType,
     TorchDynamoPlugin,
     broadcast_object_list,
+    gather_object,
     parse_flag_from_env,
 )
 from tqdm.auto import tqdm
@@ -416,8 +418,19 @@ def writes_for_this_machine(accelerator: Accelerator) -> bool:
 
 def machine_share(accelerator: Accelerator) -> tuple[int, int]:
     """This process's index among its machine's processes, and their count: for work each machine does once,
-    split over its own devices (a static student's token vectors), where the files stay on the machine's disk."""
-    return accelerator.local_process_index, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    split over its own devices (a static student's token vectors), where the files stay on the machine's disk.
+
+    torchrun and `accelerate launch` say both (LOCAL_RANK, LOCAL_WORLD_SIZE); under a launcher that does not, the
+    processes find them from each other's host names, in rank order (a collective: every process calls it).
+    """
+    count = os.environ.get("LOCAL_WORLD_SIZE")
+    if count is not None:
+        return accelerator.local_process_index, int(count)
+    if accelerator.num_processes == 1:
+        return 0, 1
+    host = socket.gethostname()
+    hosts = gather_object([host])
+    return hosts[: accelerator.process_index].count(host), hosts.count(host)
 
 
 def on_main_process(accelerator: Accelerator, write: Callable[[], T]) -> T | None:

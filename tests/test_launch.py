@@ -237,3 +237,19 @@ def test_the_launcher_stops_a_bad_input_and_launches_a_good_one(tiny_models, tin
     assert launch_main([*launcher, *skipped]) == 0 and len(launched) == 2
     other = ["--num_processes", "2", "train.py", "--phase1_lr", "-1"]  # not distill: nothing to check
     assert launch_main(other) == 0 and launched[-1] == other
+
+
+def test_each_machines_processes_are_counted_by_host_where_the_launcher_does_not_say(monkeypatch):
+    """LOCAL_WORLD_SIZE, where the launcher sets it; else the processes on this host, in rank order."""
+    from types import SimpleNamespace
+
+    import distill.distributed as distributed
+
+    process = SimpleNamespace(local_process_index=1, process_index=3, num_processes=5)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert distributed.machine_share(process) == (1, 2)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setattr(distributed.socket, "gethostname", lambda: "b")
+    monkeypatch.setattr(distributed, "gather_object", lambda items: ["a", "b", "a", "b", "b"])  # rank 3 is on b
+    assert distributed.machine_share(process) == (1, 3)
+    assert distributed.machine_share(SimpleNamespace(local_process_index=0, process_index=0, num_processes=1)) == (0, 1)
