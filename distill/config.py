@@ -160,7 +160,8 @@ class ModelConfig:
     max_seq_length: int | None = _opt(
         check=OPTIONAL_POSITIVE,
         default=None,
-        help="Token limit for student and teacher inputs (default: the student's own limit).",
+        help="Token limit for student and teacher inputs (default: the student's own limit). A static student reads "
+        "every token: there it limits the teacher alone (default: the teacher's own limit).",
     )
     teacher_max_seq_length: int | None = _opt(
         check=OPTIONAL_POSITIVE,

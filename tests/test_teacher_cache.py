@@ -294,6 +294,10 @@ def test_teacher_token_limit_defaults_to_the_students_and_can_be_set_alone(
         ModelConfig(teacher_model=str(folder), max_seq_length=64, teacher_max_seq_length=256), accelerator.device
     )
     assert alone.max_seq_length == 256  # the teacher reads 256 tokens, the student still 64
+    # a static table has no limit, asked of no hub: the teacher reads up to its own
+    for student in ("static", "static:org/model"):
+        config = ModelConfig(teacher_model=str(folder), student_model=student)
+        assert TeacherSpec.from_config(config, accelerator.device).max_seq_length is None
     # a different limit means different vectors: a different cache entry
     cache_a = TeacherCache(accelerator, LocalTeacher(shared), tmp_path / "cache", batch_size=8)
     cache_b = TeacherCache(accelerator, LocalTeacher(alone), tmp_path / "cache", batch_size=8)

@@ -27,6 +27,7 @@ from distill.efficiency import CostTexts, ModelCost, TeacherCosts, measure
 from distill.errors import DistillError
 from distill.files import read_json
 from distill.hub import hub_snapshot, load_sentence_transformer, model_fingerprint, resolve_model
+from distill.students.static import is_static
 from distill.teachers.base import Encoder
 
 if TYPE_CHECKING:
@@ -162,7 +163,10 @@ def _prompts(sentence_transformers_config: dict) -> dict[str, str]:
 
 
 def student_max_seq_length(student_model: str) -> int | None:
-    """The student's own token limit from its sentence_bert_config.json, read without loading it; None if unknown."""
+    """The student's own token limit from its sentence_bert_config.json, read without loading it; None if unknown
+    or where it has none (a static table reads every token)."""
+    if is_static(student_model):
+        return None
     path = resolve_model(student_model)
     if Path(path).is_dir():
         return read_json(Path(path) / "sentence_bert_config.json").get("max_seq_length")
