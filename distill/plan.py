@@ -14,7 +14,9 @@ no weight is loaded. From these it counts, for the topology given:
   times a stated utilisation (`DEVICES`), or what `--teacher_tflops` / `--student_tflops` say (measured by
   `make bench-gpu`, say). On a CPU the planner times a float32 matmul on this machine and takes a stated
   fraction of it;
-- peak memory per process, all-reduce bytes per optimizer step, and the disk the checkpoints need.
+- peak memory per process, all-reduce bytes per optimizer step, and the disk the checkpoints need;
+- for a static student distilled here, its table's pass: each vocabulary token through the model once, as three
+  tokens, on each machine.
 
 Every assumption is printed with the figures; `--json` prints them as one object.
 """
@@ -184,6 +186,9 @@ class Plan:
     device_memory_bytes: float = 0.0
     assumptions: dict[str, Any] = field(default_factory=dict)
     teacher: str = ""  # a model run here: empty; else what stands behind it (an endpoint, a vectors file)
+    table_tokens: int = 0  # a static student distilled here: its vocabulary, each token through the model once
+    table_flops: float = 0.0
+    table_seconds: float = 0.0  # on each machine, split over its processes
 
 
 def config_folder(name: str, revision: str | None) -> Path:
@@ -318,6 +323,7 @@ def make_plan(
     teacher_flops, teacher_seconds, teacher_memory, cache_bytes = teacher_figures(
         config, device, models, measured, projection
     )
+    table = table_figures(config, device, models, machines)
     train_flops, steps = training_flops(config, student, measured, projection // max(models.teacher_dim, 1))
     train_seconds_by_phase = {phase: flops / (processes * device.student_rate) for phase, flops in train_flops.items()}
     train_seconds = sum(train_seconds_by_phase.values())
@@ -350,8 +356,11 @@ def make_plan(
             "student_dense": student.dense_parameters,
             **({"phase1_teacher": models.phase1_teacher.parameters} if models.phase1_teacher else {}),
         },
-        dominant="the teacher's encoding" if teacher_seconds >= train_seconds else "the student's training",
+        dominant="the teacher's encoding"
+        if teacher_seconds + table["table_seconds"] >= train_seconds
+        else "the student's training",
         teacher=remote_teacher(config),
+        **table,
         device_memory_bytes=device.memory_bytes,
         assumptions=assumptions(device, link, teacher_tokenizer),
     )
@@ -462,6 +471,26 @@ def teacher_figures(
         for t in measured
     )
     return flops, flops / (processes * device.teacher_rate), peak, cache
+
+
+TABLE_TOKEN_LENGTH = 3  # a vocabulary token as model2vec's distillation runs it: the token and the special tokens
+
+
+def table_figures(config: Config, device: Device, models: Models, machines: int) -> dict[str, Any]:
+    """The Plan's table_tokens, table_flops and table_seconds: distilling a static student's table here, every
+    vocabulary token through the model once on each machine, split over its processes (distill/students/static.py);
+    zeros for any other student, and for a table that starts from a folder."""
+    from distill.students.static import is_static, source_model
+
+    name = config.model.student_model
+    if not is_static(name) or Path(name).expanduser().is_dir():
+        return {"table_tokens": 0, "table_flops": 0.0, "table_seconds": 0.0}
+    source = source_model(name, config.model.teacher_model)
+    shape = model_shape(config_folder(source, None), None, config.model.trust_remote_code)
+    tokens = models.student.parameters // max(models.student.dim, 1)  # the table's rows
+    flops = shape.forward_flops(tokens, TABLE_TOKEN_LENGTH, TABLE_TOKEN_LENGTH**2)
+    per_machine = max((config.launch.num_processes or 1) // machines, 1)
+    return {"table_tokens": tokens, "table_flops": flops, "table_seconds": flops / (per_machine * device.teacher_rate)}
 
 
 def allreduce_bytes(
@@ -704,6 +733,11 @@ def plan_text(plan: Plan) -> str:
             f"{'  ' + phase + ' (one epoch)':<28}{'':>12}{tokens['teacher']:>16,.0f}{tokens['student']:>16,.0f}"
         )
     lines += ["", *teacher_lines(plan)]
+    if plan.table_tokens:
+        lines.append(
+            f"static table: {plan.table_tokens:,} vocabulary tokens through the model, {plan.table_flops:.3g} FLOPs, "
+            f"{duration(plan.table_seconds)} on each machine (once; kept in the teacher cache)"
+        )
     for phase, seconds in plan.train_seconds_by_phase.items():
         lines.append(
             f"student training, {phase}: {plan.train_flops[phase]:.3g} FLOPs, {plan.optimizer_steps[phase]:,} "
@@ -733,8 +767,8 @@ def plan_text(plan: Plan) -> str:
             f"does not fit: the teacher needs {plan.teacher_memory_bytes / 2**30:.0f} GiB of the device's "
             f"{limit / 2**30:.0f} GiB; lower --teacher_batch_size"
         )
-    total = plan.teacher_seconds + plan.train_seconds
-    share = max(plan.teacher_seconds, plan.train_seconds) / total if total else 0
+    total = plan.teacher_seconds + plan.table_seconds + plan.train_seconds
+    share = max(plan.teacher_seconds + plan.table_seconds, plan.train_seconds) / total if total else 0
     device_hours = total * plan.processes / 3600
     lines += [
         "",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -179,3 +181,30 @@ def test_two_teachers_are_planned_as_the_sum_of_their_encodings(tiny_models, tin
     assert two.teacher_flops == pytest.approx(2 * one.teacher_flops)
     assert two.parameters["teacher"] == 2 * one.parameters["teacher"]
     assert two.cache_bytes > 2 * one.cache_bytes  # each member's entries, and the combination's
+
+
+def test_a_static_table_distilled_here_is_planned_as_one_pass_over_its_vocabulary(tiny_models, tiny_data, tmp_path):
+    """Each vocabulary token through the model once on each machine, split over its processes; nothing for a
+    transformer student or a table that starts from a folder."""
+    device = device_for("h100", None, None)
+    teacher = str(tiny_models["teacher"])
+    static = {"student_model": f"static:{teacher}", "student_dim": 16, "use_projection": False}
+    flags = tiny_run_flags(tiny_models, tiny_data, tmp_path / "plan", **static)
+    one = make_plan(load_config(flags), device)
+    shape = model_shape(Path(teacher))
+    assert one.table_tokens == one.parameters["student"] // 16 > 0
+    assert one.table_flops == shape.forward_flops(one.table_tokens, 3, 9) > 0
+    assert one.table_seconds == pytest.approx(one.table_flops / device.teacher_rate)
+    assert f"static table: {one.table_tokens:,} vocabulary tokens" in plan.plan_text(one)
+    four = make_plan(load_config([*flags, "--num_processes", "4"]), device, machines=2)  # two a machine
+    assert four.table_seconds == pytest.approx(one.table_seconds / 2)
+    transformer = make_plan(load_config(tiny_run_flags(tiny_models, tiny_data, tmp_path / "t")), device)
+    assert (transformer.table_tokens, transformer.table_flops) == (0, 0.0)
+    assert "static table" not in plan.plan_text(transformer)
+    folder = tmp_path / "table"  # a model2vec folder: its table is there already
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "model2vec", "hidden_dim": 16}))
+    shutil.copy(Path(teacher) / "tokenizer.json", folder)
+    kept_flags = tiny_run_flags(tiny_models, tiny_data, tmp_path / "k", student_model=str(folder), use_projection=False)
+    kept = make_plan(load_config(kept_flags), device)
+    assert (kept.table_tokens, kept.table_flops) == (0, 0.0) and kept.parameters["student"] > 0
