@@ -152,6 +152,23 @@ def declared_dimension(path_or_name: str) -> int | None:
     return int(dim) if dim else None
 
 
+TOKENIZER_UNSET = 10**9  # transformers' model_max_length for a tokenizer that declares none is about 1e30
+
+
+def declared_max_seq_length(path_or_name: str | Path) -> int | None:
+    """The token limit a local SentenceTransformer folder reads up to, as sentence-transformers sets it on loading,
+    read without loading it: sentence_bert_config.json's max_seq_length (folders saved before version 6), else the
+    tokenizer's model_max_length at most config.json's max_position_embeddings. None when none of them says."""
+    folder = Path(path_or_name)
+    given = read_json(folder / "sentence_bert_config.json").get("max_seq_length")
+    if given:
+        return int(given)
+    own = read_json(folder / "tokenizer_config.json").get("model_max_length")
+    positions = read_json(folder / "config.json").get("max_position_embeddings")
+    limits = [int(v) for v in (own, positions) if isinstance(v, (int, float)) and 0 < v < TOKENIZER_UNSET]
+    return min(limits) if limits else None
+
+
 def pooling_modes(pooling_config: dict) -> int:
     """How many poolings a Pooling config concatenates (each adds its token dimension to the output).
 

@@ -28,11 +28,15 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distill.cache import Role
 from distill.config import Config, load_config
 from distill.errors import DistillError
+from distill.hub import declared_max_seq_length
+
+if TYPE_CHECKING:
+    from distill.teachers.local import TeacherSpec
 
 SAMPLE = 2000  # texts per list tokenized for the length statistics
 CACHE_ENTRY_OVERHEAD = 128 + 400  # an entry's .npy header and its manifest.json
@@ -149,6 +153,7 @@ class TextList:
     student_tokens: float
     student_square: float
     student_longest: int  # the longest sampled text, as the student reads it
+    teacher_longest: int = 0  # and as the teacher reads it
 
     @property
     def total_teacher_tokens(self) -> float:
@@ -542,6 +547,12 @@ class RemoteTeacher:
         return given or ""
 
 
+def own_token_limit(folder: Path, spec: TeacherSpec | RemoteTeacher) -> int | None:
+    """The token limit a local teacher's folder declares, which it reads up to when the run gives none; None for
+    an endpoint or a file (whole texts), or a folder that declares none."""
+    return None if isinstance(spec, RemoteTeacher) else declared_max_seq_length(folder)
+
+
 def measure_texts(
     config: Config, lists: dict[str, tuple[str, Role, list[str]]], models: Models
 ) -> tuple[list[TextList], str]:
@@ -550,6 +561,7 @@ def measure_texts(
     teacher_folder, student_folder, phase1_folder = models.teacher_folder, models.student_folder, models.phase1_folder
     import torch
 
+    from distill.students.static import is_static
     from distill.teachers import teacher_names
     from distill.teachers.base import ENDPOINT_PREFIX
     from distill.teachers.local import TeacherSpec
@@ -568,14 +580,20 @@ def measure_texts(
     if phase1_folder is not None:
         phase1_spec = TeacherSpec.from_config(model, torch.device("cpu"), phase1=True)
         phase1_encoder = (tokenizer_of(phase1_folder) or student_tokenizer, phase1_spec)
-    student_length = model.max_seq_length or spec.max_seq_length
+    # a teacher given no limit reads up to its own (an endpoint: the whole text); a static student every token
+    limits = {
+        "phase1": phase1_encoder[1].max_seq_length or own_token_limit(phase1_folder or teacher_folder, spec),
+        "": spec.max_seq_length or own_token_limit(teacher_folder, spec),
+    }
+    student_length = None if is_static(model.student_model) else model.max_seq_length or limits[""]
     measured = []
     for name, (phase, role, texts) in lists.items():
         chosen = sample(texts, training.seed)
         tokenizer, encoder = phase1_encoder if phase == "phase1" else (teacher_tokenizer, spec)
-        t_mean, t_square, _ = length_stats(tokenizer, chosen, encoder.prompt(role), encoder.max_seq_length)
+        limit = limits["phase1"] if phase == "phase1" else limits[""]
+        t_mean, t_square, t_max = length_stats(tokenizer, chosen, encoder.prompt(role), limit)
         s_mean, s_square, s_max = length_stats(student_tokenizer, chosen, "", student_length)
-        measured.append(TextList(name, phase, len(texts), t_mean, t_square, s_mean, s_square, s_max))
+        measured.append(TextList(name, phase, len(texts), t_mean, t_square, s_mean, s_square, s_max, t_max))
     return (
         measured,
         "the student's tokenizer (the teacher runs elsewhere)"
@@ -631,8 +649,9 @@ def memory(
     """
     training, performance = config.training, config.performance
     longest = max((t.student_longest for t in measured), default=0)
+    teacher_longest = max((t.teacher_longest for t in measured), default=0)
     teacher_batch = performance.teacher_batch_size or training.batch_size
-    teacher_activations = teacher_batch * longest * (5 * teacher.width + 2 * teacher.ffn)
+    teacher_activations = teacher_batch * teacher_longest * (5 * teacher.width + 2 * teacher.ffn)
     teacher_bytes = teacher.parameters * device.bytes_per_param + teacher_activations * device.bytes_per_param
     texts_per_step = training.batch_size * (1 if training.skip_phase2 else 2 + config.data.mine_hard_negatives)
     per_layer = texts_per_step * longest * (10 * student.width + 2 * student.ffn)

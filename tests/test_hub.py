@@ -11,7 +11,7 @@ import pytest
 import distill.embedded.models as models
 import distill.files as files
 import distill.hub as hub
-from distill.hub import declared_dimension, model_fingerprint, resolve_model
+from distill.hub import declared_dimension, declared_max_seq_length, model_fingerprint, resolve_model
 
 
 def test_a_shipped_copy_stands_in_only_for_its_exact_name_without_revision(
@@ -107,3 +107,23 @@ def test_fingerprinting_a_large_folder_shows_a_bar_and_a_warm_one_reads_nothing(
     assert "fingerprinting model" in bar and "3.00k/3.00k" in bar
     assert model_fingerprint(str(folder), memo=memo) == first
     assert "fingerprinting" not in capsys.readouterr().err  # every digest remembered: nothing to read, no bar
+
+
+def test_a_folders_token_limit_is_read_as_sentence_transformers_sets_it(tiny_models, tmp_path):
+    """sentence_bert_config.json's max_seq_length (older folders), else the tokenizer's model_max_length at most the
+    model's positions; the tiny models are saved by sentence-transformers 6, whose limit is the tokenizer's."""
+    assert declared_max_seq_length(tiny_models["teacher"]) == 64
+
+    def folder(name: str, **files: dict) -> Path:
+        (tmp_path / name).mkdir()
+        for file, content in files.items():
+            (tmp_path / name / f"{file}.json").write_text(json.dumps(content))
+        return tmp_path / name
+
+    positions = {"max_position_embeddings": 512}
+    old = folder("old", sentence_bert_config={"max_seq_length": 256}, config=positions)
+    assert declared_max_seq_length(old) == 256
+    assert declared_max_seq_length(folder("new", tokenizer_config={"model_max_length": 1024}, config=positions)) == 512
+    unset = folder("unset", tokenizer_config={"model_max_length": int(1e30)}, config=positions)
+    assert declared_max_seq_length(unset) == 512
+    assert declared_max_seq_length(folder("none")) is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -208,3 +209,26 @@ def test_a_static_table_distilled_here_is_planned_as_one_pass_over_its_vocabular
     kept_flags = tiny_run_flags(tiny_models, tiny_data, tmp_path / "k", student_model=str(folder), use_projection=False)
     kept = make_plan(load_config(kept_flags), device)
     assert (kept.table_tokens, kept.table_flops) == (0, 0.0) and kept.parameters["student"] > 0
+
+
+def test_a_static_students_teacher_is_planned_at_its_own_limit_and_the_table_at_every_token(
+    tiny_models, tiny_data, tmp_path
+):
+    """With no --max_seq_length the teacher reads up to its own 64 tokens, and its memory is that of its longest
+    batch so read; the table reads every token of the long text."""
+    from conftest import WORDS
+
+    texts = tmp_path / "texts.txt"
+    texts.write_text(Path(tiny_data["texts"]).read_text() + " ".join(WORDS * 3) + "\n")
+    static = {"student_model": f"static:{tiny_models['teacher']}", "student_dim": 16, "use_projection": False}
+    flags = tiny_run_flags(tiny_models, tiny_data, tmp_path / "plan", phase1_data=texts, **static)
+    at = flags.index("--max_seq_length")
+    config = load_config(flags[:at] + flags[at + 2 :])
+    models = plan.model_shapes(config)
+    measured, _ = plan.measure_texts(config, plan.text_lists(config, True, False), models)
+    phase1 = next(t for t in measured if t.phase == "phase1")
+    assert phase1.teacher_longest == 64 < phase1.student_longest  # [CLS] and [SEP] in the teacher's 64
+    device = device_for("h100", None, None)
+    teacher_bytes = plan.memory(config, device, models.teachers[0], models.student, measured, 0)[0]
+    at_64 = plan.memory(config, device, models.teachers[0], models.student, [replace(phase1, student_longest=64)], 0)[0]
+    assert teacher_bytes == at_64

@@ -26,7 +26,13 @@ from distill.config import ModelConfig
 from distill.efficiency import CostTexts, ModelCost, TeacherCosts, measure
 from distill.errors import DistillError
 from distill.files import read_json
-from distill.hub import hub_snapshot, load_sentence_transformer, model_fingerprint, resolve_model
+from distill.hub import (
+    declared_max_seq_length,
+    hub_snapshot,
+    load_sentence_transformer,
+    model_fingerprint,
+    resolve_model,
+)
 from distill.students.static import is_static
 from distill.teachers.base import Encoder
 
@@ -163,19 +169,17 @@ def _prompts(sentence_transformers_config: dict) -> dict[str, str]:
 
 
 def student_max_seq_length(student_model: str) -> int | None:
-    """The student's own token limit from its sentence_bert_config.json, read without loading it; None if unknown
-    or where it has none (a static table reads every token)."""
+    """The student's own token limit, read without loading it (`declared_max_seq_length`); None if unknown or
+    where it has none (a static table reads every token)."""
     if is_static(student_model):
         return None
     path = resolve_model(student_model)
-    if Path(path).is_dir():
-        return read_json(Path(path) / "sentence_bert_config.json").get("max_seq_length")
-    from huggingface_hub import hf_hub_download
-
-    try:
-        return read_json(Path(hf_hub_download(path, "sentence_bert_config.json"))).get("max_seq_length")
-    except (OSError, ValueError):  # unknown (offline, no such file): the teacher reads up to its own limit
-        return None
+    if not Path(path).is_dir():
+        try:
+            path = hub_snapshot(path, None, ("sentence_bert_config.json", "tokenizer_config.json", "config.json"))
+        except DistillError:  # unknown (offline): the teacher reads up to its own limit
+            return None
+    return declared_max_seq_length(path)
 
 
 NON_FINITE_FIX = {
