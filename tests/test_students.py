@@ -218,6 +218,26 @@ def test_a_static_run_exports_folders_that_both_libraries_load_alike(tiny_models
     assert "model2vec model" in card and "## Distillation" in card
 
 
+def test_a_static_student_wider_than_its_teacher_exports_its_projection_folded_in(tiny_models, tiny_data, tmp_path):
+    """Projection mode, 64 dims into the teacher's 48: a least-squares projection without a bias, after the table's
+    Normalize, folds into the table; both folders answer in the teacher's space, alike."""
+    from model2vec import StaticModel
+    from sentence_transformers import SentenceTransformer
+
+    out = tmp_path / "projected"
+    flags = static_run_flags(tiny_models, tiny_data, out, efficiency_texts=16)
+    flags[flags.index("--student_dim") + 1], flags[flags.index("--use_projection") + 1] = "64", "True"
+    assert main(flags) == 0
+    texts = [*sentences(12, seed=33), "the river ☃ and the king"]
+    model = SentenceTransformer(str(out / "artifacts" / "model"), device="cpu")
+    assert [type(m).__name__ for m in model] == ["StaticEmbedding", "Normalize"]
+    from_st = model.encode(texts)
+    as_model2vec = StaticModel.from_pretrained(str(out / "artifacts" / "model2vec"), force_download=False)
+    from_model2vec = as_model2vec.encode(texts)
+    assert from_st.shape == (13, 48)
+    np.testing.assert_allclose(from_st, from_model2vec, atol=1e-6)
+
+
 @pytest.mark.multiprocess
 def test_two_processes_distil_the_table_together_and_train_as_one_with_twice_the_batch(
     tiny_models, tiny_data, tmp_path
