@@ -576,21 +576,18 @@ def measure_texts(
         raise DistillError(f"the planner needs the student's tokenizer; {student_folder} has none")
     own = tokenizer_of(teacher_folder)
     teacher_tokenizer = own or student_tokenizer
-    phase1_encoder = (teacher_tokenizer, spec)
+    # a teacher given no limit reads up to its own (an endpoint: the whole text)
+    teacher_encoder = (teacher_tokenizer, spec, spec.max_seq_length or own_token_limit(teacher_folder, spec))
+    phase1_encoder = teacher_encoder
     if phase1_folder is not None:
         phase1_spec = TeacherSpec.from_config(model, torch.device("cpu"), phase1=True)
-        phase1_encoder = (tokenizer_of(phase1_folder) or student_tokenizer, phase1_spec)
-    # a teacher given no limit reads up to its own (an endpoint: the whole text); a static student every token
-    limits = {
-        "phase1": phase1_encoder[1].max_seq_length or own_token_limit(phase1_folder or teacher_folder, spec),
-        "": spec.max_seq_length or own_token_limit(teacher_folder, spec),
-    }
-    student_length = None if is_static(model.student_model) else model.max_seq_length or limits[""]
+        phase1_limit = phase1_spec.max_seq_length or own_token_limit(phase1_folder, phase1_spec)
+        phase1_encoder = (tokenizer_of(phase1_folder) or student_tokenizer, phase1_spec, phase1_limit)
+    student_length = None if is_static(model.student_model) else model.max_seq_length or spec.max_seq_length
     measured = []
     for name, (phase, role, texts) in lists.items():
         chosen = sample(texts, training.seed)
-        tokenizer, encoder = phase1_encoder if phase == "phase1" else (teacher_tokenizer, spec)
-        limit = limits["phase1"] if phase == "phase1" else limits[""]
+        tokenizer, encoder, limit = phase1_encoder if phase == "phase1" else teacher_encoder
         t_mean, t_square, t_max = length_stats(tokenizer, chosen, encoder.prompt(role), limit)
         s_mean, s_square, s_max = length_stats(student_tokenizer, chosen, "", student_length)
         measured.append(TextList(name, phase, len(texts), t_mean, t_square, s_mean, s_square, s_max, t_max))

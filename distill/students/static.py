@@ -116,10 +116,8 @@ def load_static_student(
     # every token, as the model2vec export reads them: model2vec's loader leaves its own default of 512 on the
     # tokenizer, which StaticEmbedding would keep, and model2vec cuts by characters, not tokens, where it truncates
     student[0].tokenizer.no_truncation()
-    unknown = _unknown_id(student[0].tokenizer)
-    if unknown is not None:  # never trained (dropped from every batch); zero, it leaves a mean's direction alone
-        with torch.no_grad():
-            student[0].embedding.weight[unknown] = 0
+    with torch.no_grad():  # never trained (dropped from every batch)
+        _zero_unknown_row(student[0].embedding.weight, student[0].tokenizer)
     # float32 whatever model2vec stored: the optimizer keeps float32 weights, mixed precision is autocast's
     return student.float()
 
@@ -307,6 +305,14 @@ class StaticTexts(TokenizedTexts):
         return {"input_ids": torch.from_numpy(flat.astype(np.int64)), "offsets": torch.from_numpy(offsets)}
 
 
+def _zero_unknown_row(table: torch.Tensor, tokenizer: Any) -> None:
+    """Zero the unknown token's row: model2vec drops the token, sentence-transformers' mean keeps it, and a zero row
+    leaves that mean's direction alone, so after the Normalize both give the same vector."""
+    unknown = _unknown_id(tokenizer)
+    if unknown is not None:
+        table[unknown] = 0
+
+
 def _unknown_id(tokenizer: Any) -> int | None:
     """The tokenizer's unknown token, which model2vec drops (as `StaticModel.tokenize` does)."""
     model = json.loads(tokenizer.to_str()).get("model", {})
@@ -351,9 +357,7 @@ def one_table(student: SentenceTransformer) -> SentenceTransformer:
 
     table, first = static_table(student), student[0]
     assert table is not None, "one_table takes a static student"
-    unknown = _unknown_id(first.tokenizer)
-    if unknown is not None:
-        table[unknown] = 0
+    _zero_unknown_row(table, first.tokenizer)  # a bias folded in would have made it non-zero
     embedding = StaticEmbedding(first.tokenizer, embedding_weights=table, base_model=first.base_model)
     return SentenceTransformer(modules=[embedding, Normalize()], device=str(student.device))
 
