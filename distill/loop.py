@@ -106,6 +106,7 @@ class StepRecord:
     """An optimizer step whose loss the host has not read yet, and where the run stood before it."""
 
     loss: torch.Tensor  # 0-d, the step's mean loss over its micro-batches and processes, on the device
+    gradient_norm: torch.Tensor  # 0-d, the step's total gradient norm on the device (0 where not read: fp16)
     lr: float
     global_step: int  # the trackers' x axis
     before: Snapshot
@@ -129,6 +130,7 @@ class Window:
     def __init__(self, accelerator: Accelerator, run: Prepared, phase: Phase, state: TrainingState):
         self.accelerator, self.run, self.phase = accelerator, run, phase
         self.losses: list[torch.Tensor] = []
+        self.gradient_norm = torch.zeros((), device=accelerator.device)
         self.start = self.snapshot(state)
 
     def snapshot(self, state: TrainingState) -> Snapshot:
@@ -144,9 +146,14 @@ class Window:
     def close(self, state: TrainingState) -> StepRecord:
         """The optimizer step was taken: its record; the next window starts here."""
         record = StepRecord(
-            torch.stack(self.losses).mean(), self.run.scheduler.get_last_lr()[0], state.global_step(), self.start
+            torch.stack(self.losses).mean(),
+            self.gradient_norm,
+            self.run.scheduler.get_last_lr()[0],
+            state.global_step(),
+            self.start,
         )
         self.losses.clear()
+        self.gradient_norm = torch.zeros((), device=self.accelerator.device)
         self.start = self.snapshot(state)
         return record
 
@@ -166,10 +173,12 @@ class Guard:
 
     The host reads the losses every READ_EVERY optimizer steps (`read`), not every batch: a GPU's queue is
     never drained mid-run, and the host runs ahead of it. So that nothing is lost by reading late:
-    - A non-finite loss marks the run as poisoned on the device; every optimizer step from then on is skipped
-      there (`found_inf`), so the weights stay those from before it. At the next read the run rolls back to the
-      start of that step's window and stops with a checkpoint (exit code 3). Optimizers that cannot skip on the
-      device (`skips_on_device`) have the loss read before every step instead.
+    - A non-finite loss, or non-finite gradients under a finite loss (their total norm, which clipping computes
+      anyway), marks the run as poisoned on the device; every optimizer step from then on is skipped there
+      (`found_inf`), so the weights stay those from before it. At the next read the run rolls back to the start
+      of that step's window and stops with a checkpoint (exit code 3). Optimizers that cannot skip on the device
+      (`skips_on_device`) have the loss and the norm read before every step instead. Under fp16 the gradient
+      scaler skips steps with non-finite gradients itself, as its loss scale calibrates: those are not stops.
     - SIGTERM (preemption) or Ctrl-C on any process stops every process at the same step, with a checkpoint,
       agreed every step by a collective on the CPU (`any_process`).
     - On a CPU the heap is trimmed every TRIM_EVERY steps.
@@ -195,26 +204,43 @@ class Guard:
         elif not math.isfinite(value := window.losses[-1].item()):  # before the step: the weights are still good
             self.stop_non_finite(value, state, window, window.start)
 
+    def observe_gradients(self, norm: torch.Tensor | None, state: TrainingState, window: Window) -> None:
+        """At an optimizer step, after the gradients are synchronised (and clipped): their total norm, kept on the
+        device; the step is skipped if it is not finite."""
+        if norm is None or getattr(self.run.optimizer, "scaler", None) is not None:  # fp16: the scaler's to skip
+            return
+        window.gradient_norm = norm.detach().float().reshape(())
+        self.poisoned = torch.maximum(self.poisoned, (~torch.isfinite(window.gradient_norm)).float())
+        if self.deferred:
+            inner = getattr(self.run.optimizer, "optimizer", self.run.optimizer)
+            inner.found_inf = self.poisoned
+        elif not math.isfinite(value := window.gradient_norm.item()):  # before the step: the weights are still good
+            self.stop_non_finite(value, state, window, window.start, "gradient norm")
+
     def read(self, state: TrainingState, window: Window, progress: tqdm) -> None:
         """The host reads the pending steps' losses (one transfer): they go to the state, the bar and the trackers."""
         if not self.pending:
             return
-        values = torch.stack([r.loss for r in self.pending]).tolist()
+        values, norms = torch.stack([torch.stack([r.loss, r.gradient_norm]) for r in self.pending]).T.tolist()
         pending, self.pending = self.pending, []
         name = self.phase.settings.name
-        for record, value in zip(pending, values):
+        for record, value, norm in zip(pending, values, norms):
             if not math.isfinite(value):
                 self.stop_non_finite(value, state, window, record.before)
+            if not math.isfinite(norm):
+                self.stop_non_finite(norm, state, window, record.before, "gradient norm")
             state.losses.append(value)
             # counted on over the phases: the trackers' x axis goes on
             self.accelerator.log({f"{name}/loss": value, f"{name}/lr": record.lr}, step=record.global_step)
         progress.set_postfix(loss=f"{values[-1]:.4f}", lr=f"{pending[-1].lr:.2e}", refresh=False)
 
-    def stop_non_finite(self, value: float, state: TrainingState, window: Window, before: Snapshot) -> None:
+    def stop_non_finite(
+        self, value: float, state: TrainingState, window: Window, before: Snapshot, what: str = "loss"
+    ) -> None:
         window.restore(state, before)
         path = self.checkpoint()
         raise TrainingStopped(
-            f"non-finite loss ({value}) in {self.phase.name} at optimizer step {state.optimizer_steps + 1} "
+            f"non-finite {what} ({value}) in {self.phase.name} at optimizer step {state.optimizer_steps + 1} "
             f"(epoch {state.epoch}); the checkpoint from before it is {path}; lower the learning rate or use "
             "--mixed_precision bf16/no, then --resume_from_checkpoint",
             exit_code=3,
@@ -401,11 +427,22 @@ def train_step(
         scale = loss_scale(accelerator, run, state.batches_done)
         accelerator.backward(loss if scale is None else loss * scale)
         guard.observe(reported, state, window)  # may stop the run, or mark this step to be skipped
-        if accelerator.sync_gradients and phase.settings.max_grad_norm > 0:
-            accelerator.clip_grad_norm_(run.wrapped.parameters(), phase.settings.max_grad_norm)
+        if accelerator.sync_gradients:
+            norm = gradient_norm(accelerator, run.wrapped, phase.settings.max_grad_norm)
+            guard.observe_gradients(norm, state, window)  # likewise, for gradients that are not finite
         run.optimizer.step()
         run.scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
+
+
+def gradient_norm(accelerator: Accelerator, wrapped: torch.nn.Module, max_norm: float) -> torch.Tensor | None:
+    """The synchronised gradients' total norm, on the device; clipped to `max_norm` where it is above 0."""
+    if max_norm > 0:
+        return accelerator.clip_grad_norm_(wrapped.parameters(), max_norm)
+    grads = [p.grad for p in wrapped.parameters() if p.grad is not None]
+    if not grads:
+        return None
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
 
 
 def save_phase_checkpoint(

@@ -128,6 +128,8 @@ def evaluate_baseline(
     results.mode = results.mode or ("projection" if model.projection is not None else "matryoshka")
     results.world_size = accelerator.num_processes
     results.heap_allocator = heap_allocator()
+    path = getattr(model.student, "attention_path", None)  # a transformer's; a static table has no attention
+    results.attention = path.to_dict() if path is not None else None
     if accelerator.device.type == "cpu" and results.heap_allocator == "glibc":
         logger.warning(
             "heap allocator: glibc malloc, whose peak memory creeps up with the steps on a CPU; for a flat peak "

@@ -31,6 +31,7 @@ class RunResults:
     mode: str = ""  # "projection" or "matryoshka"
     world_size: int = 1
     heap_allocator: str = ""
+    attention: dict[str, Any] | None = None  # the student's attention in training: {"unpadded", "reason"}
     evaluations: dict[str, list[Metrics]] = field(default_factory=dict)  # --eval_steps: per phase, per step
     teacher: Metrics | None = None
     teachers: dict[str, Metrics] | None = None  # a combined teacher's members, by name

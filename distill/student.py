@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.utils.checkpoint
 from accelerate import Accelerator
+from accelerate.logging import get_logger
 from accelerate.utils import send_to_device
 from torch import nn
 
@@ -28,7 +29,7 @@ from distill.distributed import machine_share, main_decides, progress_bar
 from distill.errors import DistillError
 from distill.hub import declared_dimension, load_sentence_transformer, resolve_model
 from distill.students import is_static, is_static_model, texts_for
-from distill.students.attention import use_fused_attention, use_unpadded_batches
+from distill.students.attention import choose_attention, use_fused_attention
 from distill.students.static import DEFAULT_DIM as STATIC_DIM
 from distill.students.static import Distilling, load_static_student
 from distill.teachers import check_teacher, local_model
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
 
     from distill.teacher import TeacherVectors
+
+logger = get_logger(__name__)
 
 LAYER_CONTAINERS = ("encoder.layer", "encoder.layers", "layers", "transformer.layer", "h", "block", "encoder.block")
 
@@ -78,8 +81,6 @@ def load_student(
     if max_seq_length is not None:
         student.max_seq_length = max_seq_length
     use_fused_attention(student)  # MPNet: fused attention in place of transformers' eager one
-    if torch.cuda.is_available():  # PyTorch's variable-length FlashAttention is a CUDA kernel
-        use_unpadded_batches(student)
     return student
 
 
@@ -396,6 +397,8 @@ def load_student_kind(accelerator: Accelerator, config: Config) -> SentenceTrans
         attention_dropout=TRAINING_ATTENTION_DROPOUT,
     )
     freeze_unused_parameters(student)
+    path = choose_attention(student, accelerator.device, accelerator.mixed_precision)
+    logger.info(f"student attention: {'unpadded' if path.unpadded else 'padded'} batches ({path.reason})")
     if config.performance.gradient_checkpointing:
         enable_gradient_checkpointing(student)  # before Accelerate prepares (and perhaps compiles) the model
     return student

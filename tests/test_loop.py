@@ -3,6 +3,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -128,3 +129,59 @@ def test_a_non_finite_loss_read_late_rolls_back_to_its_step(monkeypatch, tiny_mo
         assert got["last_epoch"] == want["last_epoch"] == 4 and got["_last_lr"] == want["_last_lr"]
     got, want = (load_file(str(c / "model.safetensors")) for c in (checkpoint, at_4))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
+class InfiniteGradient(torch.autograd.Function):
+    """The identity forward, an infinite gradient backward: a finite loss whose gradients are not."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+@pytest.mark.parametrize(("read_every", "max_grad_norm"), [(1, 1.0), (16, 0.0)])
+def test_infinite_gradients_under_a_finite_loss_roll_back_to_their_step(
+    monkeypatch, tiny_models, tiny_data, tmp_path, read_every, max_grad_norm
+):
+    """The 5th step's loss is finite and its gradients are not (clipped or unclipped): the run stops with exit code 3
+    and its checkpoint is bit-equal to a clean run's 4th step, weights and optimizer moments alike."""
+    from safetensors.torch import load_file
+
+    import distill.loop
+    from distill.checkpoint import find_checkpoint, read_state
+    from distill.phases import AlignmentPhase
+    from distill.train import main
+
+    flags = dict(skip_phase2=True, eval_data="none", teacher_cache_dir=tmp_path / "cache", max_grad_norm=max_grad_norm)
+    reference = tmp_path / "reference"
+    assert (
+        main(tiny_run_flags(tiny_models, tiny_data, reference, checkpoint_steps=4, checkpoints_total_limit=10, **flags))
+        == 0
+    )
+    reset_accelerate()
+    monkeypatch.setattr(distill.loop, "READ_EVERY", read_every)
+    calls, phase_loss, reported_losses = [0], AlignmentPhase.loss, []
+
+    def infinite_gradient(*args, **kwargs):
+        calls[0] += 1
+        loss, reported = phase_loss(*args, **kwargs)
+        reported_losses.append(float(reported))
+        return (InfiniteGradient.apply(loss), reported) if calls[0] == 5 else (loss, reported)
+
+    monkeypatch.setattr(AlignmentPhase, "loss", infinite_gradient)
+    out = tmp_path / "inf"
+    assert main(tiny_run_flags(tiny_models, tiny_data, out, **flags)) == 3
+    assert all(np.isfinite(reported_losses))  # no loss was ever non-finite
+    checkpoint, at_4 = find_checkpoint(out, "latest"), reference / "checkpoints" / "checkpoint-phase1-0000004"
+    assert read_state(checkpoint, {}).optimizer_steps == 4
+    for name in ("model.safetensors",):
+        got, want = (load_file(str(c / name)) for c in (checkpoint, at_4))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    got, want = (torch.load(c / "optimizer.bin", weights_only=False)["state"] for c in (checkpoint, at_4))
+    assert got.keys() == want.keys()
+    for key in got:
+        assert all(torch.equal(got[key][m], want[key][m]) for m in ("exp_avg", "exp_avg_sq", "step"))

@@ -454,3 +454,73 @@ def test_a_run_on_unpadded_batches_follows_the_padded_run(tiny_models, tiny_data
     ]
     moved = max((weights[0][k] - weights[1][k]).abs().max().item() for k in weights[0])
     assert moved < 1e-3
+
+
+def tiny_backbone(tiny_models, **config_fields):
+    """The tiny BERT student's transformers model, with `config_fields` set on its config."""
+    from distill.student import load_student
+
+    backbone = load_student(str(tiny_models["student"]))[0].auto_model
+    for name, value in config_fields.items():
+        setattr(backbone.config, name, value)
+    return backbone
+
+
+# Each case changes one condition of a run the variable-length kernel serves (a BERT student, a CUDA GPU of
+# compute capability 9.0, bf16 autocast, a torch with the varlen module) and names the reason it then gives.
+UNPADDED_RUN = dict(device_type="cuda", mixed_precision="bf16", capability=(9, 0), has_varlen=True)
+PADDED_CASES = {
+    "no GPU": (dict(device_type="cpu"), "runs on CUDA GPUs, not on cpu"),
+    "fp32": (dict(mixed_precision="no"), "takes bf16 or fp16; pass --mixed_precision bf16"),
+    "a T4": (dict(capability=(7, 5)), "needs compute capability 8.0+, this GPU has 7.5"),
+    "torch before 2.9": (dict(has_varlen=False), "has no torch.nn.attention.varlen"),
+}
+
+
+def test_the_attention_decision_is_unpadded_only_where_every_condition_holds(tiny_models):
+    from distill.students.attention import attention_path
+
+    backbone = tiny_backbone(tiny_models)
+    assert attention_path(backbone, **UNPADDED_RUN).unpadded
+    assert attention_path(backbone, **{**UNPADDED_RUN, "mixed_precision": "fp16", "capability": (8, 0)}).unpadded
+    for case, (change, reason) in PADDED_CASES.items():
+        path = attention_path(backbone, **{**UNPADDED_RUN, **change})
+        assert not path.unpadded and reason in path.reason, case
+
+
+def test_the_attention_decision_keeps_windowed_and_unsupported_models_padded(tiny_models):
+    """ModernBERT's local layers (layer_types) or a sliding window would attend globally in the kernel; MPNet takes
+    no attention function; a static table has no backbone."""
+    from distill.students.attention import attention_path
+
+    windowed = tiny_backbone(tiny_models, layer_types=["full_attention", "sliding_attention"])
+    assert "windowed" in attention_path(windowed, **UNPADDED_RUN).reason
+    assert not attention_path(tiny_backbone(tiny_models, sliding_window=64), **UNPADDED_RUN).unpadded
+    assert attention_path(tiny_backbone(tiny_models, layer_types=["full_attention"] * 4), **UNPADDED_RUN).unpadded
+    assert "takes no attention function" in attention_path(tiny_mpnet(), **UNPADDED_RUN).reason
+    assert attention_path(None, **UNPADDED_RUN).reason == "the student is no transformer encoder"
+
+
+def test_choose_attention_switches_the_student_only_when_the_decision_says_so(tiny_models, monkeypatch):
+    """On this CPU the student stays padded; with a capable GPU faked, it is switched to unpadded batches and
+    the decision is kept on it for results.json."""
+    from distill.batching import FlatTexts, TokenizedTexts
+    from distill.student import load_student
+    from distill.students import attention
+
+    student = load_student(str(tiny_models["student"]))
+    path = attention.choose_attention(student, torch.device("cpu"), "bf16")
+    assert not path.unpadded and texts_for(student) is TokenizedTexts and student.attention_path == path
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(attention, "has_varlen", lambda: True)
+    assert not attention.choose_attention(student, torch.device("cuda"), "no").unpadded
+    path = attention.choose_attention(student, torch.device("cuda"), "bf16")
+    assert path.unpadded and student.attention_path.to_dict() == {"unpadded": True, "reason": path.reason}
+    assert texts_for(student).func is FlatTexts
+
+
+def test_has_varlen_reads_the_installed_torch():
+    from distill.students.attention import has_varlen
+
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    assert has_varlen() == ((major, minor) >= (2, 9))

@@ -109,6 +109,10 @@ def test_tiny_run_projection_mode_end_to_end(tiny_models, tiny_data, tmp_path, c
     assert main(flags) == 0
     results = results_of(out)
     assert results["world_size"] == 1 and results["mode"] == "projection"
+    assert results["attention"] == {
+        "unpadded": False,
+        "reason": "the variable-length kernel runs on CUDA GPUs, not on cpu",
+    }
     assert results["heap_allocator"] == heap_allocator()
     if results["heap_allocator"] == "glibc":  # README: a CPU run on glibc logs a line saying so (at a level shown)
         notices = [r for r in caplog.records if "heap allocator: glibc malloc" in r.getMessage()]
@@ -125,6 +129,7 @@ def test_tiny_run_projection_mode_end_to_end(tiny_models, tiny_data, tmp_path, c
         assert any(line.endswith(f"] {stage} ...") for line in logged), (stage, logged)
         assert any(re.search(rf"\] {stage}: done in \d+\.\d s$", line) for line in logged), (stage, logged)
     assert any("teacher cache: " in line and "not cached; encoding them into" in line for line in logged)
+    assert sum("student attention: padded batches (the variable-length kernel runs on" in line for line in logged) == 1
     assert any(line.endswith(f"exported model: {out / 'artifacts' / 'model'}") for line in logged)
     assert (out / "config.yaml").is_file()
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

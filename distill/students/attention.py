@@ -15,13 +15,16 @@ attention interface (BERT, RoBERTa, XLM-R, ModernBERT...) on unpadded batches: t
 as one sequence, each attending to itself only (`FlatTexts`, sentence-transformers' pooling of such
 "flattened" outputs). No layer then spends work on padding. On a CUDA GPU the attention is PyTorch's own
 variable-length FlashAttention (`torch.nn.attention.varlen.varlen_attn`); elsewhere each text's attention
-runs on its own, which serves the tests. Padded batches (evaluation, `encode`) take transformers' SDPA path as
+runs on its own, which serves the tests. `choose_attention` switches a run's student only where that kernel is
+known to run (a CUDA GPU of compute capability 8.0+, bf16 or fp16 autocast, torch 2.9+, no windowed layers)
+and says why not otherwise. Padded batches (evaluation, `encode`) take transformers' SDPA path as
 ever. sentence-transformers unpads only for models loaded with the flash-attn package, and only in `encode`.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -110,9 +113,83 @@ def _attention_forward(
     return (attention.o(context),)
 
 
+@dataclass(frozen=True)
+class AttentionPath:
+    """How the student's attention runs in training: unpadded (FlashAttention's variable-length kernel) or padded
+    (transformers' SDPA), and why. results.json keeps it as `attention`."""
+
+    unpadded: bool
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"unpadded": self.unpadded, "reason": self.reason}
+
+
+MIN_CAPABILITY = (8, 0)  # FlashAttention's kernels: Ampere and later
+HALF_PRECISIONS = ("bf16", "fp16")  # FlashAttention computes in these only
+
+
+def attention_path(
+    backbone: nn.Module | None,
+    device_type: str,
+    mixed_precision: str,
+    capability: tuple[int, int] | None,
+    has_varlen: bool,
+) -> AttentionPath:
+    """Whether a student trains on unpadded batches: only where every condition of the variable-length kernel
+    holds. `backbone` is the student's transformers model (None for a student without one), `mixed_precision`
+    Accelerate's ("no", "bf16", "fp16"), `capability` the CUDA device's compute capability, `has_varlen` whether
+    the installed torch has `torch.nn.attention.varlen` (2.9 and later)."""
+    config = getattr(backbone, "config", None)
+    if backbone is None or config is None or getattr(config, "is_decoder", False):
+        return AttentionPath(False, "the student is no transformer encoder")
+    if not getattr(backbone, "_supports_attention_backend", False):  # MPNet, among others: no attention interface
+        return AttentionPath(False, f"{type(backbone).__name__} takes no attention function from transformers")
+    if _windowed(config):  # ModernBERT's local layers: the kernel would attend globally where they attend locally
+        return AttentionPath(False, "the student has layers with windowed (local) attention")
+    if device_type != "cuda":
+        return AttentionPath(False, f"the variable-length kernel runs on CUDA GPUs, not on {device_type}")
+    if mixed_precision not in HALF_PRECISIONS:
+        return AttentionPath(False, "the variable-length kernel takes bf16 or fp16; pass --mixed_precision bf16")
+    if capability is None or tuple(capability) < MIN_CAPABILITY:
+        shown = "unknown" if capability is None else ".".join(map(str, capability))
+        return AttentionPath(False, f"the variable-length kernel needs compute capability 8.0+, this GPU has {shown}")
+    if not has_varlen:
+        return AttentionPath(False, f"torch {torch.__version__} has no torch.nn.attention.varlen (2.9 and later)")
+    return AttentionPath(True, "unpadded batches through FlashAttention's variable-length kernel")
+
+
+def _windowed(config: Any) -> bool:
+    layer_types = getattr(config, "layer_types", None) or ()
+    return any(kind != "full_attention" for kind in layer_types) or getattr(config, "sliding_window", None) is not None
+
+
+def has_varlen() -> bool:
+    """Whether the installed torch has PyTorch's variable-length attention."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def choose_attention(student: nn.Module, device: torch.device, mixed_precision: str) -> AttentionPath:
+    """Decide the student's attention for training on `device` under `mixed_precision`, switch it to unpadded
+    batches where that is known to run, and keep the decision on the student (`student.attention_path`)."""
+    backbone = getattr(next(iter(student), None), "auto_model", None)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    path = attention_path(backbone, device.type, mixed_precision, capability, has_varlen())
+    if path.unpadded:
+        use_unpadded_batches(student)
+    student.attention_path = path
+    return path
+
+
 def use_unpadded_batches(student: nn.Module) -> bool:
-    """Train `student` on unpadded batches when its first module is a transformer that supports them; whether it
-    does. Its forward then takes `FlatTexts` features as well as padded ones."""
+    """Switch `student` to unpadded batches when its first module is a transformer that supports them; whether it
+    does. Its forward then takes `FlatTexts` features as well as padded ones. `choose_attention` decides whether
+    a run should; this is the switch itself (the tests use it on a CPU, where each text's attention runs alone)."""
     module = next(iter(student), None)
     backbone = getattr(module, "auto_model", None)
     config = getattr(backbone, "config", None)
