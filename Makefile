@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast lint bench bench-gpu clean quality
+.PHONY: setup demo test test-fast lint bench bench-gpu gpu-check clean quality
 
 setup: $(STAMP)
 
@@ -70,6 +70,12 @@ bench: $(ALLOCATOR)
 # (PYTHON=...); `bench/gpu.sh --prepare` readies an offline machine's files (see bench/gpu.sh).
 bench-gpu:
 	bench/gpu.sh runs/bench-gpu
+
+# Every path that is on by default on a GPU, run once (bench/gpu_check.py, about 4 minutes on one H100): run it
+# first whenever a GPU is at hand. Writes runs/gpu-check/gpu-check.json; exits 1 if a check failed. Without CUDA
+# it runs what a CPU can and lists the rest as skipped. PYTHON=... names the python with CUDA torch.
+gpu-check:
+	PYTHON="$${PYTHON:-$$([ -x $(BIN)/python ] && echo $(BIN)/python || echo python3)}" bench/gpu.sh --check runs/gpu-check
 
 clean:
 	rm -rf runs $(VENV)

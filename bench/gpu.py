@@ -392,6 +392,7 @@ def toolkit(args: argparse.Namespace, spec: dict, name: str, cache: Path, extra:
         "train_samples": phase["train_samples"],
         "samples_per_second": phase["samples_per_second"],
         "final_loss": phase["final_loss"],
+        "attention": results.get("attention"),  # the student's attention path, as the run decided it
     }
 
 
@@ -604,7 +605,10 @@ def main(argv: list[str] | None = None) -> int:
     results.data["seconds"] = round(time.perf_counter() - started, 1)
     results.save()
     log(f"done in {results.data['seconds']} s: {results.path}")
-    return 0
+    failed = [name for name, value in results.data["results"].items() if isinstance(value, dict) and "error" in value]
+    if failed:
+        log(f"{len(failed)} measurement(s) failed: {', '.join(failed)}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

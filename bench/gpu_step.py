@@ -94,13 +94,18 @@ def student_row(path: Path, texts: list[str], batch_size: int, args: argparse.Na
     from distill.losses import LossWeights, alignment_loss
     from distill.student import embedding_dim, load_student
     from distill.students import texts_for
-    from distill.students.attention import use_unpadded_batches
+    from distill.students.attention import choose_attention, use_unpadded_batches
 
     student = load_student(str(path), max_seq_length=gpu.MAX_LENGTH, attention_dropout=0.0)
     if options.get("eager"):
         student = load_eager(path)
-    if options.get("unpadded") and not hasattr(student, "position_offset"):  # switched on a GPU only
-        use_unpadded_batches(student)
+    attention = None
+    if options.get("unpadded"):  # as the toolkit decides under bf16; on a CPU (--quick) each text's own attention
+        attention = choose_attention(student, gpu.device(), "bf16").to_dict()
+        if not cuda():
+            use_unpadded_batches(student)
+        elif not attention["unpadded"]:
+            raise RuntimeError(f"the toolkit keeps this student padded here: {attention['reason']}")
     batching = texts_for(student) if options.get("unpadded") else TokenizedTexts
     tokens = batching(student.tokenizer, texts, gpu.MAX_LENGTH)
     dim = embedding_dim(student)
@@ -137,6 +142,8 @@ def student_row(path: Path, texts: list[str], batch_size: int, args: argparse.Na
     result = timed_steps(step, collated[args.warmup :])
     real = sum(int(tokens.lengths[b].sum()) for b in batches[args.warmup :]) / PROFILED_STEPS
     result.update(batch_size=batch_size, real_tokens_per_step=round(real), **counters())
+    if attention is not None:
+        result["attention"] = attention
     return rates(result, flops, args.matmul_tflops)
 
 
@@ -146,13 +153,13 @@ def linear_flops(student, collated: list) -> float:
     Only `mm`/`addmm`: the linear layers, which hold almost all of a step's work at these lengths (attention's
     score and value products are 2-3% at 128 tokens). Attention kernels differ between the rows (eager, SDPA,
     variable-length FlashAttention) and FlopCounterMode knows some of them only, so they are left out of every
-    row alike.
+    row alike. Counted under the steps' own bf16 autocast: the variable-length kernel takes no float32.
     """
     from torch.utils.flop_counter import FlopCounterMode
 
     total = 0.0
     for features, target in collated:
-        with FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False) as counter, torch.autocast(gpu.device().type, dtype=torch.bfloat16):
             ((student(dict(features))["sentence_embedding"].float() - target) ** 2).sum().backward()
         counts = counter.get_flop_counts()["Global"]
         total += sum(v for k, v in counts.items() if str(k) in ("aten.mm", "aten.addmm"))
@@ -273,15 +280,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.quick:  # inductor's C++ build takes minutes on a CPU
         del rows["mpnet-b256-fused-compile"]
+    failed = []
     for name, row in rows.items():
         try:
             results.add(name, row())  # the row's models are gone once it returns
-            release()
         except Exception as e:  # one row's failure (out of memory, a compile error) leaves the others measured
             results.add(name, {"error": f"{type(e).__name__}: {e}"[:500]})
-            release()
+            failed.append(name)
+        release()
     print(json.dumps(results.data["results"], indent=1))
-    return 0
+    if failed:
+        print(f"bench/gpu_step.py: {len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

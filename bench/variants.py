@@ -59,7 +59,7 @@ def retrieval_scores(model, evaluation: dict, max_length: int) -> dict[str, floa
 def eval_teacher(spec: dict) -> dict:
     """Build the evaluation set once (file shared by every variant) and score the teacher on it."""
     from distill.data import embedded_eval_set
-    from distill.teacher import load_teacher
+    from distill.teachers.local import load_teacher
 
     e = embedded_eval_set(spec["seed"], spec["eval_queries"])
     queries, corpus, relevant = e.queries, e.corpus, e.relevant

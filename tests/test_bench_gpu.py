@@ -102,3 +102,28 @@ def test_the_step_benchmark_runs_every_row_on_a_cpu(tiny_models, tmp_path) -> No
     assert unpadded["real_tokens_per_step"] == padded["real_tokens_per_step"]  # the same texts a step
     assert unpadded["tflops_per_step"] == padded["tflops_per_step"]  # the same real tokens' work
     assert rows["decoder-7b-encode"]["tokens_per_step"] == 64
+    assert unpadded["attention"] == {
+        "unpadded": False,
+        "reason": "the variable-length kernel runs on CUDA GPUs, not on cpu",
+    }
+
+
+def test_the_step_benchmark_exits_non_zero_when_a_row_fails(tiny_models, tmp_path, monkeypatch, capsys) -> None:
+    """A failed row keeps its error in the JSON beside the rows measured, and the command fails."""
+    import json
+
+    import gpu_step
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+
+    monkeypatch.setattr(gpu_step, "decoder_row", out_of_memory)
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(sentences(200, seed=5)) + "\n")
+    student = str(tiny_models["student"])
+    argv = ["--mpnet", student, "--bert", student, "--texts", str(texts), "--quick", "--out", str(tmp_path / "out")]
+    assert gpu_step.main([*argv, "--workdir", str(tmp_path / "work")]) == 1
+    rows = json.loads((tmp_path / "out" / "gpu-step.json").read_text())["results"]
+    assert rows["decoder-7b-encode"] == {"error": "OutOfMemoryError: CUDA out of memory (stand-in)"}
+    assert "error" not in rows["mpnet-b256-fused"]
+    assert "1 row(s) failed: decoder-7b-encode" in capsys.readouterr().err

@@ -245,7 +245,7 @@ def _unpadded_attention(
     if cu_seq_lens_q is None:  # a padded batch
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)[0], None
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, head_dim)
-    if q.is_cuda and dropout == 0.0:
+    if q.is_cuda and dropout == 0.0 and q.dtype in (torch.float16, torch.bfloat16):  # FlashAttention's only dtypes
         from torch.nn.attention.varlen import varlen_attn
 
         out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling)
