@@ -473,7 +473,10 @@ PADDED_CASES = {
     "no GPU": (dict(device_type="cpu"), "runs on CUDA GPUs, not on cpu"),
     "fp32": (dict(mixed_precision="no"), "takes bf16 or fp16; pass --mixed_precision bf16"),
     "a T4": (dict(capability=(7, 5)), "needs compute capability 8.0+, this GPU has 7.5"),
-    "torch before 2.9": (dict(has_varlen=False), "has no torch.nn.attention.varlen"),
+    "a torch without varlen_attn(scale=)": (
+        dict(has_varlen=False),
+        "has no torch.nn.attention.varlen.varlen_attn taking scale",
+    ),
 }
 
 
@@ -519,8 +522,22 @@ def test_choose_attention_switches_the_student_only_when_the_decision_says_so(ti
     assert texts_for(student).func is FlatTexts
 
 
-def test_has_varlen_reads_the_installed_torch():
+def test_has_varlen_reads_the_installed_torchs_signature(monkeypatch):
+    """torch 2.9's varlen_attn takes no `scale`, which the unpadded attention passes: that torch counts as none."""
+    import inspect
+    import types
+
     from distill.students.attention import has_varlen
 
     major, minor = (int(part) for part in torch.__version__.split(".")[:2])
-    assert has_varlen() == ((major, minor) >= (2, 9))
+    if (major, minor) >= (2, 9):
+        from torch.nn.attention.varlen import varlen_attn
+
+        assert has_varlen() == ("scale" in inspect.signature(varlen_attn).parameters)
+
+    def torch_2_9(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None): ...
+
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", types.SimpleNamespace(varlen_attn=torch_2_9))
+    assert not has_varlen()
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", None)  # no such module: torch before 2.9
+    assert not has_varlen()

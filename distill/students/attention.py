@@ -139,7 +139,7 @@ def attention_path(
     """Whether a student trains on unpadded batches: only where every condition of the variable-length kernel
     holds. `backbone` is the student's transformers model (None for a student without one), `mixed_precision`
     Accelerate's ("no", "bf16", "fp16"), `capability` the CUDA device's compute capability, `has_varlen` whether
-    the installed torch has `torch.nn.attention.varlen` (2.9 and later)."""
+    the installed torch has `torch.nn.attention.varlen.varlen_attn` with a `scale` argument (`has_varlen`)."""
     config = getattr(backbone, "config", None)
     if backbone is None or config is None or getattr(config, "is_decoder", False):
         return AttentionPath(False, "the student is no transformer encoder")
@@ -155,7 +155,9 @@ def attention_path(
         shown = "unknown" if capability is None else ".".join(map(str, capability))
         return AttentionPath(False, f"the variable-length kernel needs compute capability 8.0+, this GPU has {shown}")
     if not has_varlen:
-        return AttentionPath(False, f"torch {torch.__version__} has no torch.nn.attention.varlen (2.9 and later)")
+        return AttentionPath(
+            False, f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn taking scale"
+        )
     return AttentionPath(True, "unpadded batches through FlashAttention's variable-length kernel")
 
 
@@ -165,13 +167,15 @@ def _windowed(config: Any) -> bool:
 
 
 def has_varlen() -> bool:
-    """Whether the installed torch has PyTorch's variable-length attention."""
-    import importlib.util
+    """Whether the installed torch has PyTorch's variable-length attention as `_unpadded_attention` calls it: the
+    module first appears in torch 2.9, whose `varlen_attn` takes no `scale` yet."""
+    import inspect
 
     try:
-        return importlib.util.find_spec("torch.nn.attention.varlen") is not None
-    except ModuleNotFoundError:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
         return False
+    return "scale" in inspect.signature(varlen_attn).parameters
 
 
 def choose_attention(student: nn.Module, device: torch.device, mixed_precision: str) -> AttentionPath:
