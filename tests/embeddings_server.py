@@ -61,6 +61,8 @@ class EmbeddingsServer(_Local):
         max_seq_length: int | None = None,
         key: str | None = None,
         batch_size: int = 32,
+        max_inputs: int | None = None,
+        too_large: int = 413,
     ):
         from sentence_transformers import SentenceTransformer
 
@@ -68,6 +70,8 @@ class EmbeddingsServer(_Local):
         if max_seq_length:
             self.model.max_seq_length = max_seq_length
         self.name, self.key, self.batch_size = name, key, batch_size
+        # a request of more than `max_inputs` texts is refused with `too_large`, as servers refuse one over their size
+        self.max_inputs, self.too_large = max_inputs, too_large
         self.lock = threading.Lock()  # one forward pass at a time
         self.requests: list[dict[str, Any]] = []
         self.serve(self._handler())
@@ -79,6 +83,8 @@ class EmbeddingsServer(_Local):
             return 404, error(f"The model `{body.get('model')}` does not exist.", "invalid_request_error")
         if not isinstance(inputs, list) or not inputs or not all(isinstance(t, str) for t in inputs):
             return 400, error("'input' must be a string or a non-empty array of strings", "invalid_request_error")
+        if self.max_inputs is not None and len(inputs) > self.max_inputs:
+            return self.too_large, error(f"at most {self.max_inputs} inputs a request", "invalid_request_error")
         with self.lock:
             vectors = self.model.encode(
                 inputs, batch_size=self.batch_size, convert_to_numpy=True, normalize_embeddings=True

@@ -67,7 +67,11 @@ def test_module_prints_one_error_line_for_a_bad_choice():
     ]
 
 
-@pytest.mark.skipif(find_tcmalloc() is None, reason="tcmalloc is not installed (apt-get install libtcmalloc-minimal4)")
+@pytest.mark.skipif(
+    find_tcmalloc() is None,
+    reason="tcmalloc is not installed here: `make test` installs nothing into the system, `make demo` does as root on "
+    "Debian or Ubuntu (or apt-get install libtcmalloc-minimal4)",
+)
 def test_a_process_started_with_the_printed_preload_runs_on_tcmalloc():
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "DISTILL_ALLOCATOR")}
     preload = _run_allocator_module(env).stdout.strip()

@@ -291,7 +291,7 @@ def test_a_first_sigint_is_noted_and_a_second_interrupts_at_once():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("rendezvous", ["static"])  # accelerate's default; c10d shares the store alike
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])  # accelerate's default, and torchrun's
 def test_elastic_restart_resumes_after_one_rank_dies(rendezvous, reference, tiny_models, tiny_data, tmp_path):
     """Under --max_restarts, a rank killed mid-run makes the group restart and pick up the latest checkpoint.
 
@@ -560,3 +560,71 @@ def test_every_rank_resumes_from_the_checkpoint_the_main_process_found(tmp_path,
     monkeypatch.setattr(distill.distributed, "broadcast_object_list", lambda found: found.__setitem__(0, (None, "bad")))
     with pytest.raises(DistillError, match="^bad$"):  # the main process's error, on every rank
         resume_point(other_rank, config)
+
+
+def test_checkpoints_total_limit_keeps_the_newest_and_removes_the_oldest(tiny_models, tiny_data, tmp_path):
+    """32 steps, a checkpoint every 4, at most 3 kept: steps 24, 28 and 32 remain, the older ones are gone."""
+    from distill.train import main
+
+    out = tmp_path / "run"
+    flags = dict(skip_phase2=True, eval_data="none", checkpoint_steps=4, checkpoints_total_limit=3)
+    assert main(tiny_run_flags(tiny_models, tiny_data, out, **flags)) == 0
+    kept = [path.name for path in list_checkpoints(out / "checkpoints")]
+    assert kept == ["checkpoint-phase1-0000024", "checkpoint-phase1-0000028", "checkpoint-phase1-0000032"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("checkpoint-")) == kept
+
+
+POISONED_TRAIN = '''
+import os
+import sys
+
+from distill.phases import AlignmentPhase
+from distill.train import main
+
+calls, loss = [0], AlignmentPhase.loss
+
+
+def poisoned(*args, **kwargs):
+    """The 5th batch of the rank POISONED_RANK names has a NaN loss; the other rank's never does."""
+    calls[0] += 1
+    value, reported = loss(*args, **kwargs)
+    if os.environ["RANK"] == os.environ["POISONED_RANK"] and calls[0] == 5:
+        return value * float("nan"), reported * float("nan")
+    return value, reported
+
+
+AlignmentPhase.loss = poisoned
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+@pytest.mark.multiprocess
+def test_a_non_finite_loss_on_one_process_stops_every_process_at_the_same_step(tiny_models, tiny_data, tmp_path):
+    """Two processes, a NaN loss on rank 1 alone at step 5: both stop (exit code 3, no hang), and the one checkpoint
+    left holds a clean two-process run's step 4, bit for bit."""
+    script = tmp_path / "poisoned_train.py"
+    script.write_text(POISONED_TRAIN)
+    settings = dict(skip_phase2=True, eval_data="none", max_samples_phase1=96, ddp_timeout=60, batch_size=8)
+
+    def launch(out: Path, rank: str, **extra) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu"]
+        command += ["--num_machines", "1", "--main_process_port", str(free_port()), str(script)]
+        command += tiny_run_flags(tiny_models, tiny_data, out, **settings, **extra)
+        env = dict(ENV, POISONED_RANK=rank)
+        return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+    clean = launch(tmp_path / "clean", "none", checkpoint_steps=4)
+    assert clean.returncode == 0, clean.stderr[-4000:]
+    done = launch(tmp_path / "poisoned", "1")
+    # rank 0's loss was finite: it exiting with 3 on its own shows that it stopped at rank 1's step, not that it was
+    # killed; `accelerate launch` itself then exits 1 (distill's relaunch passes the 3 on)
+    assert done.returncode == 1 and "(exitcode: 3) local_rank: 0" in done.stderr, done.stderr[-4000:]
+    assert "non-finite loss (nan) in phase1 at optimizer step 5" in done.stderr
+    left = list_checkpoints(tmp_path / "poisoned" / "checkpoints")
+    assert [c.name for c in left] == ["checkpoint-phase1-0000004"]
+    state = read_state(left[0], {})
+    assert (state.optimizer_steps, state.train_samples) == (4, 64)
+    reference = tmp_path / "clean" / "checkpoints" / "checkpoint-phase1-0000004"
+    assert state.losses == read_state(reference, {}).losses
+    got, want = (load_file(str(c / "model.safetensors")) for c in (left[0], reference))
+    assert max_difference(got, want) == 0.0

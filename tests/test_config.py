@@ -495,24 +495,6 @@ def test_a_config_files_setting_that_a_flag_makes_irrelevant_is_dropped_with_a_w
         load_config(["--config", str(own)])
 
 
-REMOVED = (
-    "reverse_kl_weight within_kl_weight resim_weight resim_margin topic_cluster_size projection_warmup_steps "
-    "ema_decay phase1_kl_weight embedded_lee_background embedded_pairs_per_paragraph projection_init "
-    "matryoshka_basis student_attention_dropout projection_lr_scale torch_compile_backend card_license "
-    "card_language log_level"
-).split()
-
-
-@pytest.mark.parametrize("name", REMOVED)
-def test_a_removed_option_in_a_config_file_is_the_unknown_key_error(name: str, tmp_path: Path) -> None:
-    path = tmp_path / "old.yaml"
-    path.write_text(f"{name}: 1\n")
-    with pytest.raises(DistillError, match=rf"^unknown config key '{name}'; (did you mean '\w+'\?|valid keys are)"):
-        load_config(["--config", str(path)])
-    with pytest.raises(DistillError, match=rf"^unknown argument '--{name}'"):
-        load_config([f"--{name}", "1"])
-
-
 # What the kinds of teacher beyond one local model (an endpoint, a vectors file, several combined) and of student
 # beyond the transformer (a static table), and phase 1's token budget for GPUs, add to the lean core's options.
 KIND_OPTIONS = {

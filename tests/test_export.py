@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from sentence_transformers import SentenceTransformer
 
-from conftest import sentences
+from conftest import sentences, tiny_run_flags
 from distill import export
 from distill.errors import DistillError
 from distill.export import deployable_model, export_models, save_atomic
@@ -262,3 +263,55 @@ def test_exported_models_carry_no_prompts(tiny_models: dict[str, Path], tmp_path
         np.testing.assert_allclose(reloaded.encode_query(texts), reloaded.encode(texts, prompt=""), atol=1e-6)
         np.testing.assert_allclose(reloaded.encode_document(texts), reloaded.encode(texts, prompt=""), atol=1e-6)
     assert model.student.prompts["query"] == "query: "  # the in-memory model is left as it was
+
+
+@pytest.fixture
+def local_hub(monkeypatch):
+    """The Hub's API served on this machine (tests/hub_server.py), and a token for it."""
+    import huggingface_hub.constants
+    from hub_server import HubServer
+
+    with HubServer() as hub:
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setenv("HF_TOKEN", "hf_local_stand_in")
+        yield hub
+
+
+def test_push_to_hub_uploads_the_exported_folder_privately_and_records_the_commit(
+    tiny_models, tiny_data, tmp_path, local_hub
+):
+    """--push_to_hub with --hub_private True: a private repository holding the exported folder byte for byte, card
+    included, and results.json's `hub` entry names the commit the Hub answered."""
+    from distill.train import main
+
+    out = tmp_path / "run"
+    flags = tiny_run_flags(tiny_models, tiny_data, out, skip_phase2=True, efficiency_texts=0)
+    assert main([*flags, "--push_to_hub", "me/tiny-student", "--hub_private", "True"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    repo = local_hub.repos["me/tiny-student"]
+    assert repo["private"] is True
+    assert results["hub"]["repo"] == "me/tiny-student"
+    assert results["hub"]["url"].startswith(f"{local_hub.url}/me/tiny-student/commit/")
+    folder = out / "artifacts" / "model"
+    exported = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    assert repo["files"] == exported and "README.md" in exported and "model.safetensors" in exported
+    assert local_hub.card_headers == [exported["README.md"].decode()]
+    assert {authorization for _, _, authorization in local_hub.requests} == {"Bearer hf_local_stand_in"}
+
+
+def test_a_failed_private_push_names_the_retry_command_with_private(
+    tiny_models, tiny_data, tmp_path, local_hub, caplog
+):
+    from distill.train import main
+
+    local_hub.fail_commits = True
+    out = tmp_path / "run"
+    flags = tiny_run_flags(tiny_models, tiny_data, out, skip_phase2=True, efficiency_texts=0)
+    with caplog.at_level(logging.WARNING):
+        assert main([*flags, "--push_to_hub", "me/tiny-student", "--hub_private", "True"]) == 0
+    folder = out / "artifacts" / "model"
+    pushes = [r.getMessage() for r in caplog.records if "push to the Hub" in r.getMessage()]
+    assert len(pushes) == 1 and pushes[0].endswith(f"retry with: hf upload me/tiny-student {folder} . --private")
+    assert json.loads((out / "results.json").read_text())["hub"]["error"]
+    assert (folder / "model.safetensors").is_file()

@@ -185,3 +185,44 @@ def test_infinite_gradients_under_a_finite_loss_roll_back_to_their_step(
     assert got.keys() == want.keys()
     for key in got:
         assert all(torch.equal(got[key][m], want[key][m]) for m in ("exp_avg", "exp_avg_sq", "step"))
+
+
+def test_each_steps_learning_rate_follows_the_linear_warmup_and_decay(tiny_models, tiny_data, tmp_path):
+    """--warmup_ratio 0.25 over 2 epochs: the lr logged at every optimizer step is what transformers'
+    get_linear_schedule_with_warmup gives for the same steps (an independent reference), rising to --phase1_lr and
+    falling to 0."""
+    import json
+
+    from transformers import get_linear_schedule_with_warmup
+
+    from distill.train import main
+
+    out = tmp_path / "run"
+    flags = dict(skip_phase2=True, eval_data="none", warmup_ratio=0.25, phase1_epochs=2, phase1_lr=2e-3)
+    assert main(tiny_run_flags(tiny_models, tiny_data, out, log_with="jsonl", **flags)) == 0
+    logged = [json.loads(line).get("values", {}) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lrs = [values["phase1/lr"] for values in logged if "phase1/lr" in values]
+    total = 2 * 256 // 8
+    assert len(lrs) == total
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2e-3)
+    schedule = get_linear_schedule_with_warmup(optimizer, int(0.25 * total), total)
+    expected = []
+    for _ in range(total):  # each logged lr is the one set after its step: the next step's
+        optimizer.step()
+        schedule.step()
+        expected.append(schedule.get_last_lr()[0])
+    assert lrs == pytest.approx(expected, rel=1e-9, abs=1e-15)
+    assert max(lrs) == pytest.approx(2e-3) and lrs[-1] == 0.0
+
+
+@pytest.mark.parametrize(("scaling", "factor"), [("none", 1.0), ("linear", 9.0), ("sqrt", 3.0)])
+def test_lr_scaling_multiplies_each_phases_learning_rate_by_the_process_count(scaling, factor):
+    """--lr_scaling with 9 processes: each phase's learning rate, the one its optimizer and schedule start from (the
+    schedule test above reads it back from a run's optimizer)."""
+    from distill.config import load_config
+    from distill.phases import make_phases
+
+    config = load_config(["--teacher_model", "t", "--student_model", "s", "--lr_scaling", scaling]
+                         + ["--phase1_lr", "1e-4", "--phase2_lr", "3e-5"])  # fmt: skip
+    phases = make_phases(config, world=9)
+    assert [p.settings.lr for p in phases] == pytest.approx([1e-4 * factor, 3e-5 * factor])

@@ -352,7 +352,8 @@ def test_mining_never_returns_the_positive_or_a_copy_of_it(
 
 
 def test_mining_skips_copies_of_the_positive_whatever_the_sign_of_its_score(accelerator: Accelerator) -> None:
-    """(1 - margin) x a negative positive score lies above it, so a copy of the positive used to pass the margin."""
+    """A copy of the positive is never a negative, even where the positive's score is negative and (1 - margin) x it
+    lies above it."""
     from distill.teacher import mine_hard_negatives
 
     passages = np.eye(5, dtype=np.float32)
@@ -360,7 +361,7 @@ def test_mining_skips_copies_of_the_positive_whatever_the_sign_of_its_score(acce
     queries = passages.copy()
     queries[0] = -0.5 * passages[0] + 0.3 * passages[2] - 0.8 * passages[4]  # its positive scores -0.5
     mined = mine_hard_negatives(queries, passages, count=1, margin=0.05)  # by score alone, no text ids
-    assert mined[0, 0] == 4  # the one passage scoring below the positive; it used to get the copy (-0.5)
+    assert mined[0, 0] == 4  # the one passage scoring below the positive, not the copy (-0.5)
     mined = mine_hard_negatives(queries, passages, count=1, margin=0.0, passage_ids=np.array([0, 0, 1, 2, 3]))
     assert mined[0, 0] == 4  # with ids, the copy is out even without a margin
     queries[0] = -0.5 * passages[0] + 0.3 * passages[2] + 0.2 * passages[3]  # nothing scores below the positive
@@ -383,7 +384,7 @@ def test_mining_takes_a_text_shared_by_several_pairs_once() -> None:
 def test_teacher_seconds_count_the_loading_once(
     accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Loading is part of the teacher's time exactly once (it used to be added twice) and is reported on its own."""
+    """Loading is part of the teacher's time exactly once, and is reported on its own."""
     import time
 
     real_load = local_module.load_teacher

@@ -111,6 +111,55 @@ def test_transient_faults_are_retried_and_give_the_same_vectors(
     np.testing.assert_array_equal(np.asarray(faulty), np.asarray(clean))
 
 
+@pytest.mark.parametrize("status", [400, 413, 422])  # what docs/usage.md promises
+def test_a_request_refused_as_too_large_is_sent_again_in_halves(
+    accelerator, tiny_models, key, tmp_path, monkeypatch, status
+) -> None:
+    """A server taking at most 3 texts a request: 8 texts are refused, their halves of 4 too, the quarters of 2 go
+    through; the vectors are those of requests the server took whole."""
+    monkeypatch.setattr(endpoint_module, "IN_FLIGHT", 1)  # one request at a time: the order is exact
+    texts = sentences(16, seed=8)
+    with EmbeddingsServer(tiny_models["teacher"], "tiny-teacher", max_inputs=3, too_large=status) as server:
+        cache = endpoint_cache(accelerator, server.url, key, tmp_path / "small", request_texts=8)
+        halved = cache.embeddings(texts, "document")
+        sizes = [len(r["body"]["input"]) for r in server.requests]
+    with EmbeddingsServer(tiny_models["teacher"], "tiny-teacher") as server:
+        expected = endpoint_cache(accelerator, server.url, key, tmp_path / "whole", request_texts=2).embeddings(
+            texts, "document"
+        )
+    assert sizes == [8, 4, 2, 2, 4, 2, 2] * 2  # each request of 8: refused, its halves refused, its quarters taken
+    np.testing.assert_array_equal(np.asarray(halved), np.asarray(expected))
+
+
+def test_a_refused_single_text_is_not_halved_but_stops_with_one_line(accelerator, tiny_models, key, tmp_path) -> None:
+    with EmbeddingsServer(tiny_models["teacher"], "tiny-teacher", max_inputs=0, too_large=413) as server:
+        cache = endpoint_cache(accelerator, server.url, key, tmp_path / "cache", request_texts=2)
+        with pytest.raises(DistillError, match=r"answered 413 \(.*at most 0 inputs a request"):
+            cache.embeddings(sentences(4, seed=8), "document")
+
+
+def test_teacher_dimensions_are_asked_for_and_key_the_cache(accelerator, tiny_server, key, tmp_path) -> None:
+    """--teacher_dimensions reaches the request as `dimensions`, sets the vectors' width, and keys the cache: the same
+    texts at another width are a cache entry of their own."""
+    texts = sentences(12, seed=4)
+    config = load_config(
+        ["--teacher_model", "openai/tiny-teacher", "--teacher_base_url", tiny_server.url, "--teacher_api_key_env", key]
+        + ["--student_model", "s", "--use_projection", "True", "--teacher_dimensions", "16"]
+    ).model
+    teacher = EndpointTeacher.from_config(config)
+    assert teacher.dimensions == 16
+    narrow = TeacherCache(accelerator, teacher, tmp_path / "cache", 8)
+    vectors = np.asarray(narrow.embeddings(texts, "document"), dtype=np.float32)
+    assert vectors.shape == (12, 16)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-3)  # the first 16, normalised again
+    assert {r["body"].get("dimensions") for r in tiny_server.requests[-2:]} == {16}
+    full = endpoint_cache(accelerator, tiny_server.url, key, tmp_path / "cache")
+    assert full.key(texts, "document") != narrow.key(texts, "document")
+    assert np.asarray(full.embeddings(texts, "document")).shape == (12, 48)  # not the 16-d entry read back
+    again = endpoint_cache(accelerator, tiny_server.url, key, tmp_path / "cache", dimensions=16)
+    assert again.key(texts, "document") == narrow.key(texts, "document")
+
+
 @pytest.mark.parametrize(
     ("fault", "message"),
     [

@@ -421,13 +421,11 @@ def test_two_processes_match_one_process_with_twice_the_batch(
     start = load_file(str(Path(tiny_models["student"]) / "model.safetensors"))
     moved = max((weights_one[k] - start[k]).abs().max().item() for k in start if k in weights_one)
     assert moved > 1e-3  # training really changed the weights, so equality below is not trivial
-    # Not bit-equal: per-process batches of 4 against 8 change the last bits of the kernels' sums on some CPUs
-    # (AMD EPYC here; the runs were equal to 1e-5 only on earlier sessions' Intel Xeon and with a fixture whose
-    # tokenizer read every word as [UNK]), and Adam, whose steps are about lr whatever the gradient's size,
-    # carries those into parameters with tiny gradients. Measured on the EPYC: the backbones end 0.09% of their
-    # training movement apart and every step's loss agrees within 2.1e-5; without the world-size scaling of the
-    # similarity loss they end 13% apart. The fitted projection ends 4.4% of its norm apart with or without that
-    # scaling, so its bound is looser and only catches gross errors.
+    # Not bit-equal: per-process batches of 4 against 8 sum in another order in the kernels, and Adam, whose steps are
+    # about lr whatever the gradient's size, carries those last bits into parameters with tiny gradients. The
+    # backbones end within 1% of their training movement of each other (0.09% measured on a 2-core CPU; without the
+    # world-size scaling of the similarity loss, 13%). The projection is fitted on each run's own sharded encoding
+    # of the fitting texts and ends within 10% of its norm (4.4% measured): that bound catches gross errors only.
     backbone = [k for k in start if k in weights_one]
     apart = sum((weights_two[k] - weights_one[k]).pow(2).sum().item() for k in backbone) ** 0.5
     movement = sum((weights_one[k] - start[k]).pow(2).sum().item() for k in backbone) ** 0.5
@@ -952,11 +950,10 @@ def test_fp16_gradient_compression_on_two_cpu_processes(tiny_models, tiny_data, 
     """gloo all-reduces fp16: the hook is registered for each phase on both ranks, and 2 x 4 with compressed
     gradients trains close to the uncompressed 1 x 8 run.
 
-    Measured on a 2-core AMD EPYC: every step's loss within 1.04e-5 (8.1e-5 of itself) of the 1 x 8 run's,
-    and the exported weights at most 1.7e-3 apart; the bounds below are about 5x those. They do not tell a
-    compressed run from an uncompressed 2 x 4 one (which on this CPU also differs from 1 x 8 in the last bits:
-    test_two_processes_match_one_process_with_twice_the_batch); the hook names recorded on each rank show that
-    the compression was in use.
+    The hook names recorded on each rank show the compression in use. Every step's loss stays within 5e-5 of the
+    uncompressed 1 x 8 run's (1.04e-5 measured on a 2-core CPU): a hook that lost or mis-scaled the gradients would
+    leave the weights where they started, or move them elsewhere, and the losses with them by far more. The bound
+    does not tell fp16 rounding from none; torch owns that arithmetic, and distill only registers the hook.
     """
     script = tmp_path / "compressed_run.py"
     script.write_text(GRADIENT_COMPRESSION_RUN)
@@ -970,7 +967,6 @@ def test_fp16_gradient_compression_on_two_cpu_processes(tiny_models, tiny_data, 
     for rank in (0, 1):
         assert (tmp_path / f"hooks-rank{rank}.txt").read_text().split() == ["fp16_compress_hook"] * 2
     assert_same_losses(out, eager_run, atol=5e-5, rtol=5e-4)
-    assert max_weight_difference(out, eager_run) <= 1e-2
 
 
 def test_a_failed_report_does_not_fail_the_trained_run(tiny_models, tiny_data, tmp_path, monkeypatch, caplog):
@@ -1030,3 +1026,51 @@ def test_nanobeir_from_the_hub_offline_is_one_line_before_any_model(tiny_models,
         "error: eval_data nanobeir: cannot read 'sentence-transformers/NanoBEIR-en'"
     )
     assert err[0].endswith("NanoBEIR needs the Hub, or a local copy in the same format: --eval_data nanobeir:FOLDER")
+
+
+def test_training_under_bf16_autocast_computes_in_bfloat16_and_keeps_float32_weights(
+    tiny_models, tiny_data, tmp_path, monkeypatch
+):
+    """--mixed_precision bf16 (what the GPU configs use; a CPU autocasts too): the student's linear layers compute in
+    bfloat16 in every training step, the losses stay finite and within 5% of float32's, and the weights, the
+    checkpoints and the export stay float32."""
+    from safetensors.torch import load_file
+
+    import distill.loop
+
+    seen: set[torch.dtype] = set()
+    stepping, train_step = [False], distill.loop.train_step
+
+    def record(module, inputs, output):
+        if stepping[0] and isinstance(module, torch.nn.Linear):
+            seen.add(output.dtype)
+
+    def recorded_step(*args, **kwargs):  # what the loop's steps compute, not the student stage's probe forward
+        stepping[0] = True
+        try:
+            return train_step(*args, **kwargs)
+        finally:
+            stepping[0] = False
+
+    monkeypatch.setattr(distill.loop, "train_step", recorded_step)
+
+    flags = dict(skip_phase2=True, eval_data="none", checkpoint_steps=8, save_to_artifacts=True)
+    runs = {}
+    for precision in ("no", "bf16"):
+        out = tmp_path / precision
+        seen.clear()
+        reset_accelerate()  # a second Accelerator in this process, with another precision
+        hook = torch.nn.modules.module.register_module_forward_hook(record)
+        try:
+            assert main(tiny_run_flags(tiny_models, tiny_data, out, mixed_precision=precision, **flags)) == 0
+        finally:
+            hook.remove()
+        runs[precision] = (set(seen), results_of(out)["phases"]["phase1"]["losses"], out)
+    assert runs["no"][0] == {torch.float32} and runs["bf16"][0] == {torch.bfloat16}
+    fp32_losses, bf16_losses = np.array(runs["no"][1]), np.array(runs["bf16"][1])
+    assert np.isfinite(bf16_losses).all() and not np.array_equal(fp32_losses, bf16_losses)
+    np.testing.assert_allclose(bf16_losses, fp32_losses, rtol=0.05)
+    out = runs["bf16"][2]
+    checkpoint = sorted((out / "checkpoints").glob("checkpoint-phase1-*"))[-1]
+    for weights in (checkpoint / "model.safetensors", out / "artifacts" / "model" / "model.safetensors"):
+        assert {t.dtype for t in load_file(str(weights)).values()} == {torch.float32}, weights
