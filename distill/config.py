@@ -222,8 +222,17 @@ class DataConfig:
         default=None,
         help="With --eval_data nanobeir: the datasets, comma-separated (msmarco,nq,scifact,...; default all 13).",
     )
-    max_samples_phase1: int = _opt(default=100000, check=POSITIVE, help="Cap on phase-1 texts.")
-    max_samples_phase2: int = _opt(default=500000, check=POSITIVE, help="Cap on phase-2 pairs.")
+    max_samples_phase1: int | None = _opt(
+        default=None,
+        check=OPTIONAL_POSITIVE,
+        help="Cap on phase-1 texts (default: all of them). A cap the data reaches is one line in the log and in "
+        "results.json's `capped`.",
+    )
+    max_samples_phase2: int | None = _opt(
+        default=None,
+        check=OPTIONAL_POSITIVE,
+        help="Cap on phase-2 pairs (default: all of them), said as --max_samples_phase1 says its own.",
+    )
     max_eval_queries: int = _opt(default=1000, check=POSITIVE, help="Held-out queries used for retrieval evaluation.")
     mine_hard_negatives: int = _opt(
         check=OFF_OR_POSITIVE,

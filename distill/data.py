@@ -3,8 +3,9 @@
 Phase 1 needs texts; phase 2 needs (query, passage) pairs with optional hard negatives; evaluation needs
 held-out queries with one relevant passage each in a corpus, and optionally scored pairs for STS.
 Bad rows (empty, whitespace-only, non-string) are dropped with a count; exact duplicates are dropped;
-`max_samples` counts the texts (pairs) kept, so a source is read in chunks until that many are usable; a
-phase left with nothing is an error that says why.
+`max_samples` counts the texts (pairs) kept, so a source is read in chunks until that many are usable; without
+it a source is read whole. A cap the source reaches is said in one line, and kept in `DistillData.capped` for
+results.json. A phase left with nothing is an error that says why.
 """
 
 from __future__ import annotations
@@ -98,19 +99,18 @@ class DistillData:
     phase1_texts: list[str]
     phase2: Pairs
     evaluation: EvalSet | None
+    capped: dict[str, int] = field(default_factory=dict)  # the caps the data reached: option name -> the cap
 
 
 def load_data(config: DataConfig, seed: int, need_phase1: bool = True, need_phase2: bool = True) -> DistillData:
     """Everything the run trains and evaluates on, cleaned and capped."""
-    phase1 = load_phase1_texts(config.phase1_data, config.max_samples_phase1) if need_phase1 else []
+    capped: dict[str, int] = {}
+    phase1 = load_phase1_texts(config.phase1_data, config.max_samples_phase1, capped) if need_phase1 else []
     holdout = 0
     if config.eval_data == "auto" and config.phase2_data != EMBEDDED:
         holdout = config.max_eval_queries
-    phase2 = (
-        load_pairs(config.phase2_data, config.max_samples_phase2 + holdout, seed)
-        if need_phase2 or holdout
-        else Pairs([], [])
-    )
+    cap2 = None if config.max_samples_phase2 is None else config.max_samples_phase2 + holdout
+    phase2 = load_pairs(config.phase2_data, cap2, seed, capped) if need_phase2 or holdout else Pairs([], [])
     evaluation = None
     if config.eval_data == EMBEDDED or (config.eval_data == "auto" and config.phase2_data == EMBEDDED):
         evaluation = embedded_eval_set(seed, config.max_eval_queries)
@@ -122,15 +122,21 @@ def load_data(config: DataConfig, seed: int, need_phase1: bool = True, need_phas
         raise DistillError(
             f"eval_data: expected auto, embedded, nanobeir, nanobeir:DATASET or none, got {config.eval_data!r}"
         )
+    if "max_samples_phase2" in capped and config.max_samples_phase2 is not None:
+        capped["max_samples_phase2"] = config.max_samples_phase2  # the cap, not the cap plus the held-out queries
     if not need_phase2:
         phase2 = Pairs([], [])
-    elif len(phase2) > config.max_samples_phase2:
+        capped.pop("max_samples_phase2", None)  # read for the held-out queries only
+    elif config.max_samples_phase2 is not None and len(phase2) > config.max_samples_phase2:
         phase2 = Pairs(*(column[: config.max_samples_phase2] for column in _columns(phase2)))
-    return DistillData(phase1, phase2, evaluation)
+    if not need_phase1:
+        capped.pop("max_samples_phase1", None)
+    return DistillData(phase1, phase2, evaluation, capped)
 
 
-def load_phase1_texts(source: str, max_samples: int) -> list[str]:
-    """Phase 1's texts from `source`, cleaned, at most `max_samples`."""
+def load_phase1_texts(source: str, max_samples: int | None, capped: dict[str, int] | None = None) -> list[str]:
+    """Phase 1's texts from `source`, cleaned, at most `max_samples` (None: all); a cap reached goes into
+    `capped`."""
     raw: Iterable[Any]
     if source == EMBEDDED:
         from distill import embedded  # the demo, loaded only when named
@@ -140,7 +146,7 @@ def load_phase1_texts(source: str, max_samples: int) -> list[str]:
         head, rest = _head_and_rest(source)
         column = pick_column(head, TEXT_COLUMNS, source, "phase-1 text", allow_single=True)
         raw = (r.get(column) for r in chain(head, rest))
-    texts = clean_texts(raw, f"phase-1 data {source!r}", limit=max_samples)
+    texts = clean_texts(raw, f"phase-1 data {source!r}", limit=max_samples, capped=capped)
     if not texts:
         raise DistillError(
             f"phase-1 data {source!r} has no usable text after dropping empty and non-string rows; "
@@ -149,7 +155,7 @@ def load_phase1_texts(source: str, max_samples: int) -> list[str]:
     return texts
 
 
-def load_pairs(source: str, max_samples: int, seed: int) -> Pairs:
+def load_pairs(source: str, max_samples: int | None, seed: int, capped: dict[str, int] | None = None) -> Pairs:
     if source == EMBEDDED:
         from distill import embedded  # the demo, loaded only when named
 
@@ -160,7 +166,7 @@ def load_pairs(source: str, max_samples: int, seed: int) -> Pairs:
     passage_col = pick_column(head, tuple(c for c in PASSAGE_COLUMNS if c != query_col), source, "phase-2 passage")
     negatives_of, count = negative_reader(head, source, exclude=(query_col, passage_col))
     rows = ((r.get(query_col), first_item(r.get(passage_col)), negatives_of(r)) for r in chain(head, rest))
-    return _clean_pairs(rows, source, count, limit=max_samples)
+    return _clean_pairs(rows, source, count, limit=max_samples, capped=capped)
 
 
 def first_item(value: Any) -> Any:
@@ -206,7 +212,11 @@ def _columns(pairs: Pairs) -> tuple[list, list, list]:
 
 
 def _clean_pairs(
-    rows: Iterable[tuple[Any, Any, list[Any]]], source: str, count: int, limit: int | None = None
+    rows: Iterable[tuple[Any, Any, list[Any]]],
+    source: str,
+    count: int,
+    limit: int | None = None,
+    capped: dict[str, int] | None = None,
 ) -> Pairs:
     """Drop pairs whose query, passage or any negative is not a non-empty string, and duplicate pairs.
 
@@ -218,6 +228,7 @@ def _clean_pairs(
     bad = duplicates = short = 0
     for query, passage, negatives in rows:
         if limit is not None and len(kept) >= limit:
+            report_cap(f"phase-2 data {source!r}", "pairs", "max_samples_phase2", limit, capped)
             break
         if len(negatives) < count:
             short += 1
@@ -248,24 +259,40 @@ def _clean_pairs(
     return Pairs([r[0] for r in kept], [r[1] for r in kept], [r[2:] for r in kept] if count else [])
 
 
-def clean_texts(texts: Iterable[Any], what: str, limit: int | None = None) -> list[str]:
+def clean_texts(
+    texts: Iterable[Any], what: str, limit: int | None = None, capped: dict[str, int] | None = None
+) -> list[str]:
     """Non-empty strings, whitespace collapsed, exact duplicates dropped; counts of what was dropped are logged.
 
-    Stops reading `texts` once `limit` texts are kept.
+    Stops reading `texts` once `limit` texts are kept, and says so if any were left (phase 1's cap, into `capped`).
     """
-    kept, bad, duplicates = _normalized_unique(texts, limit)
+    kept, bad, duplicates, more = _normalized_unique(texts, limit)
     _report_dropped(what, bad, duplicates, len(kept))
+    if more and limit is not None:
+        report_cap(what, "texts", "max_samples_phase1", limit, capped)
     return kept
 
 
-def _normalized_unique(texts: Iterable[Any], limit: int | None = None) -> tuple[list[str], int, int]:
-    """Non-empty strings with whitespace collapsed, first occurrence of each; the counts of empty rows and repeats."""
+def report_cap(what: str, unit: str, option: str, limit: int, capped: dict[str, int] | None) -> None:
+    """One line: the source holds more than the cap let in (recorded in `capped` too, where given)."""
+    if capped is not None:
+        capped[option] = limit
+    logger.warning(
+        f"{what}: stopped reading at {limit:,} {unit} (--{option}); the source holds more: drop the option to "
+        "train on all of them",
+        main_process_only=True,
+    )
+
+
+def _normalized_unique(texts: Iterable[Any], limit: int | None = None) -> tuple[list[str], int, int, bool]:
+    """Non-empty strings with whitespace collapsed, first occurrence of each; the counts of empty rows and repeats,
+    and whether `limit` stopped the reading with texts left."""
     kept: list[str] = []
     seen: set[str] = set()
     bad = duplicates = 0
     for text in texts:
         if limit is not None and len(kept) >= limit:
-            break
+            return kept, bad, duplicates, True
         if not isinstance(text, str) or not text.strip():
             bad += 1
             continue
@@ -275,7 +302,7 @@ def _normalized_unique(texts: Iterable[Any], limit: int | None = None) -> tuple[
             continue
         seen.add(text)
         kept.append(text)
-    return kept, bad, duplicates
+    return kept, bad, duplicates, False
 
 
 def _report_dropped(what: str, bad: int, duplicates: int, kept: int) -> None:

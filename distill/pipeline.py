@@ -69,6 +69,7 @@ def run(config: Config) -> RunResults:
     output_dir = prepare_output_dir(accelerator, config)  # inputs are valid: from here on the run writes
     accelerator.init_trackers(config.output.tracker_project, config=tracker_config(config))
     state = resume.state
+    state.results.capped = data.capped or None  # a cap the data reached, said in the log as well
     with stage("evaluation before training"):
         evaluate_baseline(accelerator, config, model, state, evaluation, dims, teacher)
     for phase in phases:

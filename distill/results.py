@@ -31,6 +31,7 @@ class RunResults:
     mode: str = ""  # "projection" or "matryoshka"
     world_size: int = 1
     heap_allocator: str = ""
+    capped: dict[str, int] | None = None  # the caps the data reached (--max_samples_phase1/2 -> the cap)
     attention: dict[str, Any] | None = None  # the student's attention in training: {"unpadded", "reason"}
     evaluations: dict[str, list[Metrics]] = field(default_factory=dict)  # --eval_steps: per phase, per step
     teacher: Metrics | None = None
