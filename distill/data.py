@@ -10,6 +10,7 @@ results.json. A phase left with nothing is an error that says why.
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 from collections.abc import Callable, Iterable, Iterator
@@ -92,6 +93,17 @@ class EvalVectors:
     queries: np.ndarray
     corpus: np.ndarray
     sts: np.ndarray | None
+
+
+def warn(message: str) -> None:
+    """A warning from the main process; also where no Accelerate state exists (a Python caller of `load_data`),
+    for which accelerate's logger has no rank to ask."""
+    from accelerate.state import PartialState
+
+    if PartialState._shared_state:
+        logger.warning(message, main_process_only=True)
+    else:
+        logging.getLogger(__name__).warning(message)
 
 
 @dataclass
@@ -197,10 +209,9 @@ def negative_reader(
         lengths = sorted(len(r[column]) if isinstance(r.get(column), list) else 0 for r in head)
         count = lengths[len(lengths) // 10]  # what at least 90% of the rows have
         if count == 0 and lengths[-1] > 0:
-            logger.warning(
+            warn(
                 f"phase-2 data {source!r}: over a tenth of the rows have no {column!r}, so no hard negatives are "
                 "used; drop those rows to train with them",
-                main_process_only=True,
             )
         return (lambda r: r.get(column) if isinstance(r.get(column), list) else []), count
     texts = sorted(named, key=lambda c: int(NEGATIVE_COLUMN.match(c).group(4) or 0))  # type: ignore[union-attr]
@@ -246,10 +257,9 @@ def _clean_pairs(
         kept.append(row)
     _report_dropped(f"phase-2 data {source!r}", bad, duplicates, len(kept))
     if short:
-        logger.warning(
+        warn(
             f"phase-2 data {source!r}: dropped {short} pairs with fewer than {count} hard negatives (the count "
             "at least 90% of the rows have); every pair of a batch needs the same number",
-            main_process_only=True,
         )
     if not kept:
         raise DistillError(
@@ -277,10 +287,9 @@ def report_cap(what: str, unit: str, option: str, limit: int, capped: dict[str, 
     """One line: the source holds more than the cap let in (recorded in `capped` too, where given)."""
     if capped is not None:
         capped[option] = limit
-    logger.warning(
+    warn(
         f"{what}: stopped reading at {limit:,} {unit} (--{option}); the source holds more: drop the option to "
         "train on all of them",
-        main_process_only=True,
     )
 
 
@@ -307,9 +316,8 @@ def _normalized_unique(texts: Iterable[Any], limit: int | None = None) -> tuple[
 
 def _report_dropped(what: str, bad: int, duplicates: int, kept: int) -> None:
     if (bad or duplicates) and kept:  # none kept: the caller's error says so, as the run's one line
-        logger.warning(
+        warn(
             f"{what}: dropped {bad} empty or non-string rows and {duplicates} duplicates; {kept} remain",
-            main_process_only=True,
         )
 
 
@@ -527,10 +535,9 @@ def hold_out(pairs: Pairs, count: int, seed: int) -> tuple[Pairs, EvalSet]:
     rest = [i for i in range(len(pairs)) if i not in chosen]
     train = [i for i in rest if not shares_text(i)]
     if len(train) < len(rest):
-        logger.warning(
+        warn(
             f"evaluation hold-out: also dropped {len(rest) - len(train)} training pairs that share a query or "
             f"passage with the {count} held-out pairs; {len(train)} remain for training",
-            main_process_only=True,
         )
     negatives = [pairs.negatives[i] for i in train] if pairs.negatives else []
     return Pairs([pairs.queries[i] for i in train], [pairs.passages[i] for i in train], negatives), evaluation

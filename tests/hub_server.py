@@ -69,8 +69,8 @@ class HubServer:
                         {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]},
                     )
                 if len(parts) == 6 and parts[:2] == ["api", "models"] and parts[4] == "commit":
-                    if hub.fail_commits:
-                        return self.answer(500, {"error": "the stand-in refuses commits"})
+                    if hub.fail_commits:  # 403: no rights, which the client does not retry (a 5xx it retries)
+                        return self.answer(403, {"error": "the stand-in refuses commits"})
                     repo = f"{parts[2]}/{parts[3]}"
                     for line in raw.decode().splitlines():
                         item = json.loads(line)

@@ -118,6 +118,7 @@ def test_the_step_benchmark_exits_non_zero_when_a_row_fails(tiny_models, tmp_pat
         raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
 
     monkeypatch.setattr(gpu_step, "decoder_row", out_of_memory)
+    monkeypatch.setattr(gpu_step, "student_row", lambda *args, **options: {"ms_per_step": 1.0})  # measured above
     texts = tmp_path / "texts.txt"
     texts.write_text("\n".join(sentences(200, seed=5)) + "\n")
     student = str(tiny_models["student"])

@@ -525,19 +525,19 @@ def test_hold_out_holds_each_query_out_once() -> None:
 def test_without_a_cap_a_run_reads_all_of_its_data_and_a_reached_cap_says_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """No default drops data: 150,000 texts and 600,050 pairs (past the old defaults of 100,000 and 500,000) are all
-    read. A cap the source reaches is one warning line each and an entry of `capped` (the cap, not the cap plus
-    the held-out queries); a cap the source does not reach says nothing."""
+    """No default drops data: every text and pair is read. A cap the source reaches is one warning line each and
+    an entry of `capped` (the cap, not the cap plus the held-out queries); a cap the source does not reach says
+    nothing."""
     import logging
 
     texts = tmp_path / "texts.txt"
-    texts.write_text("".join(f"text {i}\n" for i in range(150_000)))
+    texts.write_text("".join(f"text {i}\n" for i in range(15_000)))
     pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(f'{{"query": "q {i}", "passage": "p {i}"}}\n' for i in range(600_050)))
+    pairs.write_text("".join(f'{{"query": "q {i}", "passage": "p {i}"}}\n' for i in range(6_050)))
     config = DataConfig(phase1_data=str(texts), phase2_data=str(pairs), eval_data="auto", max_eval_queries=50)
     with caplog.at_level(logging.WARNING):
         data = load_data(config, seed=0)
-    assert (len(data.phase1_texts), len(data.phase2), data.capped) == (150_000, 600_000, {})
+    assert (len(data.phase1_texts), len(data.phase2), data.capped) == (15_000, 6_000, {})
     assert not [r for r in caplog.records if "stopped reading" in r.getMessage()]
     capped = DataConfig(**{**vars(config), "max_samples_phase1": 1_000, "max_samples_phase2": 2_000})
     with caplog.at_level(logging.WARNING):
@@ -552,7 +552,7 @@ def test_without_a_cap_a_run_reads_all_of_its_data_and_a_reached_cap_says_so(
         "drop the option to train on all of them",
     ]
     caplog.clear()
-    roomy = DataConfig(**{**vars(config), "max_samples_phase1": 150_000})  # exactly the source: nothing left out
+    roomy = DataConfig(**{**vars(config), "max_samples_phase1": 15_000})  # exactly the source: nothing left out
     with caplog.at_level(logging.WARNING):
         assert load_data(roomy, seed=0, need_phase2=False).capped == {}
     assert not [r for r in caplog.records if "stopped reading" in r.getMessage()]

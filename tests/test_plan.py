@@ -222,9 +222,17 @@ def test_a_static_table_distilled_here_is_planned_as_one_pass_over_its_vocabular
     static = {"student_model": f"static:{teacher}", "student_dim": 16, "use_projection": False}
     flags = tiny_run_flags(tiny_models, tiny_data, tmp_path / "plan", **static)
     one = make_plan(load_config(flags), device)
-    shape = model_shape(Path(teacher))
-    assert one.table_tokens == one.parameters["student"] // 16 > 0
-    assert one.table_flops == shape.forward_flops(one.table_tokens, 3, 9) > 0
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from distill.students.static import load_static_student
+
+    with FlopCounterMode(display=False) as counter:  # model2vec's own distillation of the table, counted by torch
+        table = load_static_student(f"static:{teacher}", None, 16, tmp_path / "distilled")
+    # a row per vocabulary token: the plan counts the tokenizer's whole vocabulary, model2vec's cleaning drops a few
+    # special tokens (144 against 141 here; a 30,522-token vocabulary loses about as many)
+    assert one.table_tokens == pytest.approx(table[0].embedding.weight.shape[0], rel=0.05)
+    # within 10% (4.6% measured: torch's counter does not see the CPU's fused attention, which the plan counts)
+    assert one.table_flops == pytest.approx(counter.get_total_flops(), rel=0.10)
     assert one.table_seconds == pytest.approx(one.table_flops / device.teacher_rate)
     assert f"static table: {one.table_tokens:,} vocabulary tokens" in plan.plan_text(one)
     four = make_plan(load_config([*flags, "--num_processes", "4"]), device, machines=2)  # two a machine

@@ -902,7 +902,7 @@ def test_rounded_batch_widths_change_no_loss(tiny_models, tiny_data, eager_run, 
 
 
 def test_forward_chunks_change_no_loss(tiny_models, tiny_data, eager_run, tmp_path, monkeypatch):
-    """Phase 2 in length chunks trains the same as one padded batch (to float rounding); 1 chunk is the old path."""
+    """Phase 2 in length chunks trains as one padded batch does (to float rounding); 1 chunk is that batch."""
     from distill.batching import TokenizedTexts
 
     chunk_counts = []
