@@ -41,10 +41,18 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 # (vectors: largest absolute difference, gradients: |g_a - g_b| / |g_a| over all parameters), by precision.
 # fp32: float32 rounding through kernels that sum in another order; bf16: 8 bits of mantissa in every matmul.
 TOLERANCES = {"fp32": (1e-4, 1e-3), "bf16": (5e-2, 5e-2)}
-WEIGHTS_TOLERANCE = {"cpu": 0.0, "cuda": 1e-5}  # a rolled-back run's weights against the reference
+# A rolled-back or resumed run's weights against the reference run's. On a CPU the same steps give the same bits. On
+# a GPU FlashAttention's backward sums with atomics, so two runs of the same steps differ in their last bits, and
+# Adam carries those into the weights: there the difference must stay under MOVEMENT_SHARE of what the reference
+# moved over the next steps (a run that skipped or repeated a step differs by about that whole movement).
 # A compiled run resumed: inductor compiles the resumed run's first shapes into kernels of their own, which sum in
 # another order (1.9e-7 on a CPU at the full size); aot_eager (--quick on a CPU) gives the same weights exactly.
+MOVEMENT_SHARE = 0.05
 RESUME_TOLERANCE = 1e-5
+
+
+def tolerance(reference_movement: float, floor: float) -> float:
+    return max(floor, MOVEMENT_SHARE * reference_movement) if cuda() else floor
 
 
 class Skipped(Exception):
@@ -285,10 +293,11 @@ def check_resume(models: dict[str, Path], data: dict[str, Path], work: Path, qui
     if ends[0].name != ends[1].name or ends[0] != last:
         raise AssertionError(f"the runs ended at different steps: {ends}")
     difference = weights_difference(ends[0] / "model.safetensors", ends[1] / "model.safetensors")
-    tolerance = RESUME_TOLERANCE
-    if difference > tolerance:
-        raise AssertionError(f"resumed weights differ by {difference} (tolerance {tolerance})")
-    return {"steps": int(last.name.rsplit("-", 1)[1]), "weights_max_abs": difference, "tolerance": tolerance}
+    movement = weights_difference(start / "model.safetensors", ends[0] / "model.safetensors")
+    allowed = tolerance(movement, RESUME_TOLERANCE)
+    if difference > allowed:
+        raise AssertionError(f"resumed weights differ by {difference} (tolerance {allowed}; moved {movement})")
+    return {"steps": int(last.name.rsplit("-", 1)[1]), "weights_max_abs": difference, "tolerance": allowed}
 
 
 def check_nan(models: dict[str, Path], data: dict[str, Path], work: Path, quick: bool) -> dict:
@@ -319,9 +328,11 @@ def check_nan(models: dict[str, Path], data: dict[str, Path], work: Path, quick:
     if [c.name for c in left] != [reference.name]:
         raise AssertionError(f"the poisoned run left {[c.name for c in left]}, not {reference.name}")
     difference = weights_difference(left[0] / "model.safetensors", reference / "model.safetensors")
-    if difference > WEIGHTS_TOLERANCE[device().type]:
-        raise AssertionError(f"rolled-back weights differ from a clean step 4 by {difference}")
-    return {"exit_code": code, "weights_max_abs": difference}
+    later = clean / "checkpoints" / "checkpoint-phase1-0000008"
+    allowed = tolerance(weights_difference(reference / "model.safetensors", later / "model.safetensors"), 0.0)
+    if difference > allowed:
+        raise AssertionError(f"rolled-back weights differ from a clean step 4 by {difference} (tolerance {allowed})")
+    return {"exit_code": code, "weights_max_abs": difference, "tolerance": allowed}
 
 
 def check_loader() -> dict:
