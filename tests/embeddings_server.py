@@ -38,8 +38,13 @@ class _Local:
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
     @property
+    def root(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        """The OpenAI-style base URL."""
+        return f"{self.root}/v1"
 
     def __enter__(self) -> Self:
         self.thread.start()

@@ -6,32 +6,24 @@ from __future__ import annotations
 
 import base64
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
+from embeddings_server import _Local
 
-class HubServer:
+
+class HubServer(_Local):
     def __init__(self, fail_commits: bool = False) -> None:
         self.repos: dict[str, dict[str, Any]] = {}  # repo id -> {"private": bool, "files": {path: bytes}}
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, authorization)
         self.fail_commits = fail_commits
         self.card_headers: list[str] = []  # the model cards sent for validation
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.serve(self._handler())
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def __enter__(self) -> HubServer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        """The Hub's endpoint (HF_ENDPOINT)."""
+        return self.root
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         hub = self

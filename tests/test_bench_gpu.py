@@ -73,8 +73,8 @@ def test_random_copy_keeps_the_tokenizer_and_draws_new_weights(tiny_models, tmp_
     assert SentenceTransformer(str(copy), device="cpu").encode(["a river"]).shape == (1, 32)
 
 
-def test_the_step_benchmark_runs_every_row_on_a_cpu(tiny_models, tmp_path) -> None:
-    """bench/gpu_step.py --quick: each row trains (or encodes) and reports its step figures; a CPU has no kernels."""
+def step_bench(tiny_models, tmp_path) -> tuple[int, dict]:
+    """bench/gpu_step.py --quick over 200 texts, the tiny student as both students: its exit code and its rows."""
     import json
 
     import gpu_step
@@ -83,8 +83,16 @@ def test_the_step_benchmark_runs_every_row_on_a_cpu(tiny_models, tmp_path) -> No
     texts.write_text("\n".join(sentences(200, seed=5)) + "\n")
     student = str(tiny_models["student"])
     argv = ["--mpnet", student, "--bert", student, "--texts", str(texts), "--quick", "--out", str(tmp_path / "out")]
-    assert gpu_step.main([*argv, "--workdir", str(tmp_path / "work")]) == 0
-    rows = json.loads((tmp_path / "out" / "gpu-step.json").read_text())["results"]
+    code = gpu_step.main([*argv, "--workdir", str(tmp_path / "work")])
+    return code, json.loads((tmp_path / "out" / "gpu-step.json").read_text())["results"]
+
+
+def test_the_step_benchmark_runs_every_row_on_a_cpu(tiny_models, tmp_path) -> None:
+    """bench/gpu_step.py --quick: each row trains (or encodes) and reports its step figures; a CPU has no kernels."""
+    import gpu_step
+
+    code, rows = step_bench(tiny_models, tmp_path)
+    assert code == 0
     assert set(rows) == {
         "mpnet-b256-eager",
         "mpnet-b256-fused",
@@ -110,8 +118,6 @@ def test_the_step_benchmark_runs_every_row_on_a_cpu(tiny_models, tmp_path) -> No
 
 def test_the_step_benchmark_exits_non_zero_when_a_row_fails(tiny_models, tmp_path, monkeypatch, capsys) -> None:
     """A failed row keeps its error in the JSON beside the rows measured, and the command fails."""
-    import json
-
     import gpu_step
 
     def out_of_memory(*args):
@@ -119,12 +125,8 @@ def test_the_step_benchmark_exits_non_zero_when_a_row_fails(tiny_models, tmp_pat
 
     monkeypatch.setattr(gpu_step, "decoder_row", out_of_memory)
     monkeypatch.setattr(gpu_step, "student_row", lambda *args, **options: {"ms_per_step": 1.0})  # measured above
-    texts = tmp_path / "texts.txt"
-    texts.write_text("\n".join(sentences(200, seed=5)) + "\n")
-    student = str(tiny_models["student"])
-    argv = ["--mpnet", student, "--bert", student, "--texts", str(texts), "--quick", "--out", str(tmp_path / "out")]
-    assert gpu_step.main([*argv, "--workdir", str(tmp_path / "work")]) == 1
-    rows = json.loads((tmp_path / "out" / "gpu-step.json").read_text())["results"]
+    code, rows = step_bench(tiny_models, tmp_path)
+    assert code == 1
     assert rows["decoder-7b-encode"] == {"error": "OutOfMemoryError: CUDA out of memory (stand-in)"}
     assert "error" not in rows["mpnet-b256-fused"]
     assert "1 row(s) failed: decoder-7b-encode" in capsys.readouterr().err

@@ -90,23 +90,19 @@ def test_a_deferred_read_skips_the_steps_after_a_non_finite_loss_on_the_device()
         assert torch.equal(b, a)
 
 
-@pytest.mark.parametrize("read_every", [1, 16])
-def test_a_non_finite_loss_read_late_rolls_back_to_its_step(monkeypatch, tiny_models, tiny_data, tmp_path, read_every):
-    """The 5th step's loss is not finite: read at once or 11 steps later, the checkpoint holds the weights, the
-    counters and the schedule of an unpoisoned run's 4th step, and the run stops with exit code 3."""
-    from safetensors.torch import load_file
-
+def poisoned_run(monkeypatch, tiny_models, tiny_data, tmp_path, read_every, poison, **flags) -> tuple[int, Path, Path]:
+    """A clean phase-1 run checkpointed every 4 steps, then the same run whose loss at the 5th batch is
+    `poison(loss, reported)`, reading the losses every `read_every` steps. Returns the poisoned run's exit code, its
+    latest checkpoint and the clean run's step-4 checkpoint."""
     import distill.loop
-    from distill.checkpoint import find_checkpoint, read_state
+    from distill.checkpoint import find_checkpoint
     from distill.phases import AlignmentPhase
     from distill.train import main
 
-    flags = dict(skip_phase2=True, eval_data="none", teacher_cache_dir=tmp_path / "cache")
+    flags = dict(skip_phase2=True, eval_data="none", teacher_cache_dir=tmp_path / "cache", **flags)
     reference = tmp_path / "reference"
-    assert (
-        main(tiny_run_flags(tiny_models, tiny_data, reference, checkpoint_steps=4, checkpoints_total_limit=10, **flags))
-        == 0
-    )
+    clean = tiny_run_flags(tiny_models, tiny_data, reference, checkpoint_steps=4, checkpoints_total_limit=10, **flags)
+    assert main(clean) == 0
     reset_accelerate()
     monkeypatch.setattr(distill.loop, "READ_EVERY", read_every)
     calls, phase_loss = [0], AlignmentPhase.loss
@@ -114,21 +110,38 @@ def test_a_non_finite_loss_read_late_rolls_back_to_its_step(monkeypatch, tiny_mo
     def poisoned(*args, **kwargs):
         calls[0] += 1
         loss, reported = phase_loss(*args, **kwargs)
-        return (loss * float("nan"), reported * float("nan")) if calls[0] == 5 else (loss, reported)
+        return poison(loss, reported) if calls[0] == 5 else (loss, reported)
 
     monkeypatch.setattr(AlignmentPhase, "loss", poisoned)
-    out = tmp_path / "nan"
-    assert main(tiny_run_flags(tiny_models, tiny_data, out, **flags)) == 3
+    out = tmp_path / "poisoned"
+    code = main(tiny_run_flags(tiny_models, tiny_data, out, **flags))
     assert calls[0] == (5 if read_every == 1 else 16)  # read late, the loop ran on to its next read
-    checkpoint, at_4 = find_checkpoint(out, "latest"), reference / "checkpoints" / "checkpoint-phase1-0000004"
+    return code, find_checkpoint(out, "latest"), reference / "checkpoints" / "checkpoint-phase1-0000004"
+
+
+def same_tensors(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("read_every", [1, 16])
+def test_a_non_finite_loss_read_late_rolls_back_to_its_step(monkeypatch, tiny_models, tiny_data, tmp_path, read_every):
+    """The 5th step's loss is not finite: read at once or 11 steps later, the checkpoint holds the weights, the
+    counters and the schedule of an unpoisoned run's 4th step, and the run stops with exit code 3."""
+    from safetensors.torch import load_file
+
+    from distill.checkpoint import read_state
+
+    def nan(loss, reported):
+        return loss * float("nan"), reported * float("nan")
+
+    code, checkpoint, at_4 = poisoned_run(monkeypatch, tiny_models, tiny_data, tmp_path, read_every, nan)
+    assert code == 3
     state = read_state(checkpoint, {})
     assert (state.optimizer_steps, state.batches_done, state.train_samples) == (4, 4, 32)
     assert state.losses == pytest.approx(read_state(at_4, {}).losses, abs=0)
-    for name in ("scheduler.bin",):
-        got, want = (torch.load(c / name, weights_only=False) for c in (checkpoint, at_4))
-        assert got["last_epoch"] == want["last_epoch"] == 4 and got["_last_lr"] == want["_last_lr"]
-    got, want = (load_file(str(c / "model.safetensors")) for c in (checkpoint, at_4))
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    got, want = (torch.load(c / "scheduler.bin", weights_only=False) for c in (checkpoint, at_4))
+    assert got["last_epoch"] == want["last_epoch"] == 4 and got["_last_lr"] == want["_last_lr"]
+    assert same_tensors(*(load_file(str(c / "model.safetensors")) for c in (checkpoint, at_4)))
 
 
 class InfiniteGradient(torch.autograd.Function):
@@ -151,36 +164,21 @@ def test_infinite_gradients_under_a_finite_loss_roll_back_to_their_step(
     and its checkpoint is bit-equal to a clean run's 4th step, weights and optimizer moments alike."""
     from safetensors.torch import load_file
 
-    import distill.loop
-    from distill.checkpoint import find_checkpoint, read_state
-    from distill.phases import AlignmentPhase
-    from distill.train import main
+    from distill.checkpoint import read_state
 
-    flags = dict(skip_phase2=True, eval_data="none", teacher_cache_dir=tmp_path / "cache", max_grad_norm=max_grad_norm)
-    reference = tmp_path / "reference"
-    assert (
-        main(tiny_run_flags(tiny_models, tiny_data, reference, checkpoint_steps=4, checkpoints_total_limit=10, **flags))
-        == 0
-    )
-    reset_accelerate()
-    monkeypatch.setattr(distill.loop, "READ_EVERY", read_every)
-    calls, phase_loss, reported_losses = [0], AlignmentPhase.loss, []
+    reported_losses: list[float] = []
 
-    def infinite_gradient(*args, **kwargs):
-        calls[0] += 1
-        loss, reported = phase_loss(*args, **kwargs)
+    def infinite_gradient(loss, reported):
         reported_losses.append(float(reported))
-        return (InfiniteGradient.apply(loss), reported) if calls[0] == 5 else (loss, reported)
+        return InfiniteGradient.apply(loss), reported
 
-    monkeypatch.setattr(AlignmentPhase, "loss", infinite_gradient)
-    out = tmp_path / "inf"
-    assert main(tiny_run_flags(tiny_models, tiny_data, out, **flags)) == 3
-    assert all(np.isfinite(reported_losses))  # no loss was ever non-finite
-    checkpoint, at_4 = find_checkpoint(out, "latest"), reference / "checkpoints" / "checkpoint-phase1-0000004"
+    code, checkpoint, at_4 = poisoned_run(
+        monkeypatch, tiny_models, tiny_data, tmp_path, read_every, infinite_gradient, max_grad_norm=max_grad_norm
+    )
+    assert code == 3
+    assert reported_losses and all(np.isfinite(reported_losses))  # the poisoned step's loss was finite
     assert read_state(checkpoint, {}).optimizer_steps == 4
-    for name in ("model.safetensors",):
-        got, want = (load_file(str(c / name)) for c in (checkpoint, at_4))
-        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    assert same_tensors(*(load_file(str(c / "model.safetensors")) for c in (checkpoint, at_4)))
     got, want = (torch.load(c / "optimizer.bin", weights_only=False)["state"] for c in (checkpoint, at_4))
     assert got.keys() == want.keys()
     for key in got:
