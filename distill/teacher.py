@@ -208,6 +208,10 @@ class TeacherCache:
         self.source.release()
 
 
+MINING_PASSAGE_CHUNK = 65536  # passages scored at once against a chunk of queries (widened to float32 on the device)
+MINING_MARGIN = 0.05  # of the positive's score: what scores closer is likelier an unlabelled positive
+
+
 def mine_hard_negatives(
     queries: np.ndarray,
     passages: np.ndarray,
@@ -224,9 +228,31 @@ def mine_hard_negatives(
     A query left with fewer than `count` passages below that line gets the highest-scoring skipped ones to make
     up its count (a warning says for how many queries), never its positive. `passage_ids` (equal for identical
     texts) keeps a text several pairs share from being mined for a query whose positive it is, or twice for one
-    query. Exhaustive, O(n^2 d) on the cached vectors, on `device`: a launcher gives each GPU process one CPU thread
-    (OMP_NUM_THREADS=1), at which 500k pairs of a 3584-d teacher would take hours. Returns (len(queries), count)
-    passage indices.
+    query. Exhaustive, O(n^2 d) on the cached vectors, on `device` (`mine_rows` says how memory stays bounded).
+    Returns (len(queries), count) passage indices.
+    """
+    mined, relaxed = mine_rows(queries, passages, count, margin, chunk_size, passage_ids, device)
+    warn_relaxed(int(relaxed.sum()), len(queries), count, margin)
+    return mined
+
+
+def mine_rows(
+    queries: np.ndarray,
+    passages: np.ndarray,
+    count: int,
+    margin: float = 0.05,
+    chunk_size: int = 1024,
+    passage_ids: np.ndarray | None = None,
+    device: torch.device | str = "cpu",
+    rows: np.ndarray | None = None,
+    passage_chunk: int = MINING_PASSAGE_CHUNK,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`mine_hard_negatives` for the queries `rows` (default all): (len(rows), count) passage indices, and for each
+    of those queries whether it took passages within the margin.
+
+    A chunk of `chunk_size` queries meets `passage_chunk` passages at a time and keeps a running top-`count`, so
+    the memory beyond the (memory-mapped) vectors is those two chunks, whatever the number of pairs: no process
+    holds every passage widened to float32.
     """
     ids = np.arange(len(passages)) if passage_ids is None else np.asarray(passage_ids, dtype=np.int64)
     distinct, first_rows = np.unique(ids, return_index=True)
@@ -235,33 +261,77 @@ def mine_hard_negatives(
             f"mine_hard_negatives {count} needs more than {count} passages of distinct text, the data has "
             f"{len(distinct)}; lower --mine_hard_negatives or give more pairs"
         )
+    rows = np.arange(len(queries)) if rows is None else np.asarray(rows, dtype=np.int64)
     ids_of = torch.from_numpy(ids).to(device)
     repeated = torch.ones(len(passages), dtype=torch.bool, device=device)  # every row but the first of each text
     repeated[torch.from_numpy(first_rows).to(device)] = False
-    mined = np.zeros((len(queries), count), dtype=np.int64)
-    relaxed = 0  # queries that took passages within the margin to make up their count
-    # the cache's float16 vectors are widened once, not once per chunk of queries (a full copy each time)
-    candidates = torch.from_numpy(np.asarray(passages, dtype=np.float32)).to(device).T
-    for start in range(0, len(queries), chunk_size):
-        q = torch.from_numpy(np.asarray(queries[start : start + chunk_size], dtype=np.float32)).to(device)
-        scores = q @ candidates  # (chunk, passages)
-        own = torch.arange(start, start + len(q), device=device)
-        positive = scores[torch.arange(len(q), device=device), own]
-        threshold = positive - positive.abs() * margin  # (chunk,); (1 - margin) x positive would rise when it is < 0
-        within = scores > threshold[:, None]  # likely unlabelled positives
+    # every score lies within +-bound: moved down by `offset`, a passage within the margin ranks below all others
+    bound = largest_norm(queries, passage_chunk) * largest_norm(passages, passage_chunk)
+    mined = np.zeros((len(rows), count), dtype=np.int64)
+    relaxed = np.zeros(len(rows), dtype=bool)
+    for start in range(0, len(rows), chunk_size):
+        own = rows[start : start + chunk_size]
+        best, best_index = best_passages(queries, passages, own, count, margin, 2 * bound + 1, passage_chunk, device,
+                                         (repeated, ids_of))  # fmt: skip
+        relaxed[start : start + len(own)] = (best < -bound - 0.5).any(dim=1).cpu().numpy()  # below every score
+        mined[start : start + len(own)] = best_index.cpu().numpy()
+    return mined, relaxed
+
+
+def best_passages(
+    queries: np.ndarray,
+    passages: np.ndarray,
+    own: np.ndarray,
+    count: int,
+    margin: float,
+    offset: float,
+    passage_chunk: int,
+    device: torch.device | str,
+    masks: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The queries `own`'s top-`count` (ranking, passage index), a chunk of passages at a time."""
+    repeated, ids_of = masks
+    q = widened(queries, own, device)  # (chunk, dim)
+    positive = (q * widened(passages, own, device)).sum(dim=1)
+    threshold = positive - positive.abs() * margin  # (chunk,); (1 - margin) x positive would rise when it is < 0
+    own_ids = ids_of[torch.from_numpy(own).to(device)]
+    best = torch.empty((len(own), 0), device=device)
+    best_index = torch.empty((len(own), 0), dtype=torch.long, device=device)
+    for first in range(0, len(passages), passage_chunk):
+        index = torch.arange(first, min(first + passage_chunk, len(passages)), device=device)
+        scores = q @ widened(passages, np.arange(first, first + len(index)), device).T  # (chunk, passage chunk)
         # below the threshold first, then (only for a query short of those) the skipped ones, each by score
-        ranking = torch.where(within, scores - (scores.max() - scores.min() + 1), scores)
-        ranking.masked_fill_(repeated[None, :] | (ids_of[None, :] == ids_of[own][:, None]), float("-inf"))
-        top = torch.topk(ranking, count, dim=1).indices  # (chunk, count); finite: > count distinct texts
-        relaxed += int(within.gather(1, top).any(dim=1).sum())
-        mined[start : start + len(q)] = top.cpu().numpy()
+        ranking = torch.where(scores > threshold[:, None], scores - offset, scores)
+        ranking.masked_fill_(repeated[index][None, :] | (ids_of[index][None, :] == own_ids[:, None]), -torch.inf)
+        top = torch.topk(ranking, min(count, len(index)), dim=1)
+        values, indices = torch.cat([best, top.values], 1), torch.cat([best_index, index[top.indices]], 1)
+        best, keep = torch.topk(values, min(count, values.shape[1]), dim=1)
+        best_index = indices.gather(1, keep)
+    return best, best_index
+
+
+def widened(vectors: np.ndarray, rows: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """These rows of the (float16, memory-mapped) vectors as float32 on `device`; a run of rows is read as a slice."""
+    run = len(rows) > 0 and rows[-1] - rows[0] + 1 == len(rows)
+    block = vectors[rows[0] : rows[-1] + 1] if run else vectors[rows]
+    return torch.from_numpy(np.asarray(block, dtype=np.float32)).to(device)
+
+
+def largest_norm(vectors: np.ndarray, chunk: int) -> float:
+    """The largest row norm, read a chunk at a time."""
+    norms = (
+        np.linalg.norm(np.asarray(vectors[i : i + chunk], np.float32), axis=1) for i in range(0, len(vectors), chunk)
+    )
+    return max(float(n.max()) for n in norms)
+
+
+def warn_relaxed(relaxed: int, queries: int, count: int, margin: float) -> None:
     if relaxed:
         logger.warning(
-            f"mine_hard_negatives {count}: {relaxed} of {len(queries)} queries have fewer than {count} other passages "
+            f"mine_hard_negatives {count}: {relaxed} of {queries} queries have fewer than {count} other passages "
             f"the teacher scores at least {margin:.0%} below their positive; they also got the highest-scoring closer "
             "ones (likelier unlabelled positives)"
         )
-    return mined
 
 
 @dataclass
@@ -367,13 +437,17 @@ def mined_negatives(
 ) -> np.ndarray:
     """The teacher's hardest negatives for each pair, other pairs' passages (nothing more to encode).
 
-    On the accelerator's device; a GPU that runs out of memory for the exhaustive search hands it to the CPU.
+    Each process mines its share of the queries on its device (a GPU that runs out of memory hands its share to
+    the CPU); the shares are gathered, so every process ends with all of them.
     """
     first_row: dict[str, int] = {}  # identical texts share an id: a copy of a positive is not its negative
     ids = np.array([first_row.setdefault(text, len(first_row)) for text in texts], dtype=np.int64)
-    count = config.data.mine_hard_negatives
+    count, margin = config.data.mine_hard_negatives, MINING_MARGIN
+    with accelerator.split_between_processes(list(range(len(queries))), apply_padding=True) as share:
+        rows = np.asarray(share, dtype=np.int64)  # contiguous; the last process's padded with its last row
+    mine = partial(mine_rows, queries, passages, count, margin, passage_ids=ids, rows=rows)
     try:
-        return mine_hard_negatives(queries, passages, count, passage_ids=ids, device=accelerator.device)
+        mined, relaxed = mine(device=accelerator.device)
     except torch.OutOfMemoryError:
         release_freed_memory()
         logger.warning(
@@ -381,4 +455,10 @@ def mined_negatives(
             "searching on the CPU instead (slower)",
             main_process_only=False,  # each process mines on its own device, and may run out alone
         )
-        return mine_hard_negatives(queries, passages, count, passage_ids=ids, device="cpu")
+        mined, relaxed = mine(device="cpu")
+    both = torch.from_numpy(np.concatenate([mined, relaxed[:, None]], axis=1))
+    if accelerator.num_processes > 1:  # the shares in process order (NCCL gathers from the device)
+        both = accelerator.gather(both.to(accelerator.device)).cpu()
+    gathered = both.numpy()[: len(queries)]  # less the last share's padding
+    warn_relaxed(int(gathered[:, -1].sum()), len(queries), count, margin)
+    return gathered[:, :-1]

@@ -853,7 +853,17 @@ def run_on_two_processes(driver: str, teacher: Path, cache_dir: Path, tmp_path: 
     env = dict(os.environ, HF_HUB_OFFLINE="1", ACCELERATE_USE_CPU="true", PYTHONPATH=str(repo))
     args = [str(teacher), str(cache_dir), str(tmp_path / "texts.json"), str(tmp_path / "seen")]
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(tmp_path / "driver.py"), *args],
+        # --standalone: a free port of its own, not 29500, which another launch may hold at the same time
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(tmp_path / "driver.py"),
+        ]
+        + args,
         env=env,
         capture_output=True,
         text=True,
@@ -1005,3 +1015,78 @@ def test_encoding_shows_a_progress_bar_of_every_text(
     counts = [line.split("|")[-1].split()[0] for line in bar if line.startswith("teacher: document texts")]
     assert counts[-1] == f"{len(texts)}/{len(texts)}"
     assert len(set(counts)) >= 3  # 0, after the first chunk, ..., all: it moved while encoding
+
+
+def test_mining_a_chunk_of_passages_at_a_time_gives_the_whole_search(accelerator: Accelerator) -> None:
+    """The running top-k over chunks of 7 passages (memory bounded whatever the pair count) mines what one search
+    over all 200 does, margin, shared texts and made-up counts included; any share of the queries mines its own
+    rows as the whole does; the relaxed flags agree too."""
+    from distill.teacher import mine_rows
+
+    rng = np.random.default_rng(3)
+    passages = rng.standard_normal((200, 16)).astype(np.float32)
+    passages /= np.linalg.norm(passages, axis=1, keepdims=True)
+    passages[50] = passages[49]  # a text two pairs share
+    queries = passages + 0.8 * rng.standard_normal((200, 16)).astype(np.float32)
+    queries[:10] = -passages[:10]  # their positives score lowest: little lies below their margin line
+    queries = queries.astype(np.float16)
+    ids = np.arange(200)
+    ids[50] = 49
+    whole, relaxed = mine_rows(queries, passages.astype(np.float16), 5, 0.3, passage_ids=ids, passage_chunk=1_000)
+    assert relaxed.any() and not relaxed.all()  # some queries needed passages within the margin
+    chunked, chunked_relaxed = mine_rows(queries, passages.astype(np.float16), 5, 0.3, chunk_size=16,
+                                         passage_ids=ids, passage_chunk=7)  # fmt: skip
+    np.testing.assert_array_equal(chunked, whole)
+    np.testing.assert_array_equal(chunked_relaxed, relaxed)
+    share = np.arange(120, 200)
+    part, _ = mine_rows(queries, passages.astype(np.float16), 5, 0.3, passage_ids=ids, rows=share, passage_chunk=7)
+    np.testing.assert_array_equal(part, whole[120:])
+    assert not (whole == np.arange(200)[:, None]).any() and not (whole[49] == 50).any()  # not its own text
+    # brute force: each query's 5 best-scoring other texts below its margin line, where it has 5 of them
+    scores = queries.astype(np.float32) @ passages.astype(np.float16).astype(np.float32).T
+    for i in np.flatnonzero(~relaxed):
+        line = scores[i, i] - abs(scores[i, i]) * 0.3
+        allowed = [j for j in np.argsort(-scores[i]) if ids[j] != ids[i] and scores[i, j] <= line and j != 50]
+        assert list(whole[i]) == allowed[:5], i
+
+
+MINING_DRIVER = """
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+from accelerate import Accelerator
+
+from distill.teacher import mined_negatives
+
+accelerator = Accelerator(cpu=True)
+assert accelerator.num_processes == 2  # one gloo group, each process mining its share
+rng = np.random.default_rng(5)
+vectors = rng.standard_normal((37, 8)).astype(np.float16)  # 37 pairs: the second process's share is padded
+texts = [f"passage {i % 30}" for i in range(37)]  # some texts shared by two pairs
+config = SimpleNamespace(data=SimpleNamespace(mine_hard_negatives=3))
+mined = mined_negatives(accelerator, config, texts, vectors, vectors)
+np.save(f"{sys.argv[4]}.{accelerator.process_index}.npy", mined)
+"""
+
+
+@pytest.mark.multiprocess
+def test_two_processes_mine_their_shares_and_each_ends_with_every_queries_negatives(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from accelerate import PartialState
+
+    run_on_two_processes(MINING_DRIVER, tmp_path, tmp_path, tmp_path)
+    rng = np.random.default_rng(5)
+    vectors = rng.standard_normal((37, 8)).astype(np.float16)
+    texts = [f"passage {i % 30}" for i in range(37)]
+    PartialState(cpu=True)
+    one = teacher_module.mined_negatives(
+        SimpleNamespace(device="cpu", num_processes=1, split_between_processes=PartialState().split_between_processes),
+        SimpleNamespace(data=SimpleNamespace(mine_hard_negatives=3)),
+        texts,
+        vectors,
+        vectors,
+    )
+    for rank in (0, 1):
+        np.testing.assert_array_equal(np.load(tmp_path / f"seen.{rank}.npy"), one)

@@ -574,7 +574,7 @@ def test_mined_hard_negatives_join_phase_two_without_re_encoding(tiny_models, ti
 
     devices, events = [], []
 
-    def mine(*args, real=teacher_module.mine_hard_negatives, **kwargs):
+    def mine(*args, real=teacher_module.mine_rows, **kwargs):
         devices.append(kwargs.get("device"))
         events.append("mine")
         return real(*args, **kwargs)
@@ -583,7 +583,7 @@ def test_mined_hard_negatives_join_phase_two_without_re_encoding(tiny_models, ti
         events.append("release teacher")
         return real(cache)
 
-    monkeypatch.setattr(teacher_module, "mine_hard_negatives", mine)
+    monkeypatch.setattr(teacher_module, "mine_rows", mine)
     monkeypatch.setattr(teacher_module.TeacherCache, "release", release)
     out = tmp_path / "mined"
     pairs = tmp_path / "pairs.jsonl"  # the tiny pairs without their negative column
@@ -606,18 +606,19 @@ def test_mining_that_runs_out_of_device_memory_goes_on_on_the_cpu(monkeypatch):
 
     devices = []
 
-    def mine(*args, real=teacher_module.mine_hard_negatives, **kwargs):
+    def mine(*args, real=teacher_module.mine_rows, **kwargs):
         devices.append(str(kwargs["device"]))
         if kwargs["device"] != "cpu":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.81 GiB")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(teacher_module, "mine_hard_negatives", mine)
-    PartialState(cpu=True)  # the warning goes through Accelerate's logger
+    monkeypatch.setattr(teacher_module, "mine_rows", mine)
+    state = PartialState(cpu=True)  # the warning goes through Accelerate's logger
     vectors = torch.nn.functional.normalize(torch.randn(12, 8), dim=1).numpy().astype(np.float16)
     config = SimpleNamespace(data=SimpleNamespace(mine_hard_negatives=3))
     texts = [f"passage {i}" for i in range(12)]
-    mined = teacher_module.mined_negatives(SimpleNamespace(device="cuda:0"), config, texts, vectors, vectors)
+    gpu = SimpleNamespace(device="cuda:0", num_processes=1, split_between_processes=state.split_between_processes)
+    mined = teacher_module.mined_negatives(gpu, config, texts, vectors, vectors)
     assert devices == ["cuda:0", "cpu"]
     assert mined.shape == (12, 3) and not (mined == np.arange(12)[:, None]).any()  # never the own positive
 
