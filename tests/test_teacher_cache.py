@@ -336,7 +336,8 @@ def test_mining_skips_near_duplicates_of_the_positive_and_needs_enough_passages(
 def test_mining_never_returns_the_positive_or_a_copy_of_it(
     accelerator: Accelerator, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Too few passages below the margin were made up with arbitrary skipped ones: query 2 got its own positive."""
+    """A query with too few passages below the margin makes up its count with the highest-scoring skipped ones, never
+    its own positive, and a warning counts such queries."""
     from distill.teacher import mine_hard_negatives
 
     passages = np.eye(4, dtype=np.float32)
@@ -1055,6 +1056,7 @@ import sys
 from types import SimpleNamespace
 
 import numpy as np
+import torch
 from accelerate import Accelerator
 
 from distill.teacher import mined_negatives
@@ -1067,6 +1069,8 @@ texts = [f"passage {i % 30}" for i in range(37)]  # some texts shared by two pai
 config = SimpleNamespace(data=SimpleNamespace(mine_hard_negatives=3))
 mined = mined_negatives(accelerator, config, texts, vectors, vectors)
 np.save(f"{sys.argv[4]}.{accelerator.process_index}.npy", mined)
+accelerator.wait_for_everyone()
+torch.distributed.destroy_process_group()  # gloo's threads stopped before the interpreter exits, not during
 """
 
 
