@@ -847,6 +847,12 @@ def test_one_machine_without_the_entry_does_not_hang_the_others(
         np.testing.assert_allclose(np.asarray(vectors, dtype=np.float32), expected, atol=2e-3)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_on_two_processes(driver: str, teacher: Path, cache_dir: Path, tmp_path: Path) -> None:
     """Run `driver` (a script) under torchrun on 2 gloo processes with (teacher, cache, texts.json, seen prefix)."""
     (tmp_path / "driver.py").write_text(driver)
@@ -854,17 +860,9 @@ def run_on_two_processes(driver: str, teacher: Path, cache_dir: Path, tmp_path: 
     env = dict(os.environ, HF_HUB_OFFLINE="1", ACCELERATE_USE_CPU="true", PYTHONPATH=str(repo))
     args = [str(teacher), str(cache_dir), str(tmp_path / "texts.json"), str(tmp_path / "seen")]
     done = subprocess.run(
-        # --standalone: a free port of its own, not 29500, which another launch may hold at the same time
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(tmp_path / "driver.py"),
-        ]
-        + args,
+        # a free port of its own, not the default 29500, which another launch may hold at the same time
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+        + [str(tmp_path / "driver.py"), *args],
         env=env,
         capture_output=True,
         text=True,
