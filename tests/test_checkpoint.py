@@ -594,7 +594,10 @@ def poisoned(*args, **kwargs):
 
 
 AlignmentPhase.loss = poisoned
-sys.exit(main(sys.argv[1:]))
+code = main(sys.argv[1:])
+with open(os.environ["EXIT_CODES"] + "." + os.environ["RANK"], "w") as out:  # each rank's own, before any kill
+    out.write(str(code))
+sys.exit(code)
 '''
 
 
@@ -610,15 +613,16 @@ def test_a_non_finite_loss_on_one_process_stops_every_process_at_the_same_step(t
         command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu"]
         command += ["--num_machines", "1", "--main_process_port", str(free_port()), str(script)]
         command += tiny_run_flags(tiny_models, tiny_data, out, **settings, **extra)
-        env = dict(ENV, POISONED_RANK=rank)
+        env = dict(ENV, POISONED_RANK=rank, EXIT_CODES=str(out / "exit"))
         return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
     clean = launch(tmp_path / "clean", "none", checkpoint_steps=4)
     assert clean.returncode == 0, clean.stderr[-4000:]
     done = launch(tmp_path / "poisoned", "1")
-    # rank 0's loss was finite: it exiting with 3 on its own shows that it stopped at rank 1's step, not that it was
-    # killed; `accelerate launch` itself then exits 1 (distill's relaunch passes the 3 on)
-    assert done.returncode == 1 and "(exitcode: 3) local_rank: 0" in done.stderr, done.stderr[-4000:]
+    # rank 0's loss was finite: its run returning 3 shows that it stopped at rank 1's step on its own, not that the
+    # launcher killed it; `accelerate launch` itself then exits 1 (distill's relaunch passes the 3 on)
+    assert done.returncode == 1, done.stderr[-4000:]
+    assert [(tmp_path / "poisoned" / f"exit.{r}").read_text() for r in (0, 1)] == ["3", "3"], done.stderr[-4000:]
     assert "non-finite loss (nan) in phase1 at optimizer step 5" in done.stderr
     left = list_checkpoints(tmp_path / "poisoned" / "checkpoints")
     assert [c.name for c in left] == ["checkpoint-phase1-0000004"]
