@@ -141,8 +141,6 @@ def load_data(config: DataConfig, seed: int, need_phase1: bool = True, need_phas
         capped.pop("max_samples_phase2", None)  # read for the held-out queries only
     elif config.max_samples_phase2 is not None and len(phase2) > config.max_samples_phase2:
         phase2 = Pairs(*(column[: config.max_samples_phase2] for column in _columns(phase2)))
-    if not need_phase1:
-        capped.pop("max_samples_phase1", None)
     return DistillData(phase1, phase2, evaluation, capped)
 
 
