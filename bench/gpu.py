@@ -140,7 +140,7 @@ def load_texts(path: Path, count: int | None) -> list[str]:
 
 
 def make_student(path: Path, checkpointing: bool = False):
-    from distill.student import enable_gradient_checkpointing, freeze_unused_parameters, load_student
+    from distill.students.transformer import enable_gradient_checkpointing, freeze_unused_parameters, load_student
 
     torch.manual_seed(SEED)
     student = load_student(str(path), max_seq_length=MAX_LENGTH, attention_dropout=ATTENTION_DROPOUT)  # as the toolkit
@@ -219,7 +219,7 @@ def floor_variant(
 ) -> dict:
     from accelerate.utils import compile_regions
 
-    from distill.student import matryoshka_dims
+    from distill.students.head import matryoshka_dims
 
     batches = grouped_batches(tokens, batch_size)
     warm, timed = batches[:warmup], batches[warmup:][:steps] if steps else batches[warmup:]
@@ -299,7 +299,7 @@ FLOOR_VARIANTS = [
 
 def run_floor(args: argparse.Namespace, results: Results) -> None:
     from distill.batching import TokenizedTexts
-    from distill.student import embedding_dim
+    from distill.students.head import embedding_dim
 
     if torch.cuda.is_available():
         results.add("matmul_bf16", matmul_rate())
@@ -417,7 +417,7 @@ def peer(args: argparse.Namespace, spec: dict, name: str) -> dict:
 
 def run_e2e(args: argparse.Namespace, results: Results) -> None:
     from distill.batching import TokenizedTexts
-    from distill.student import embedding_dim
+    from distill.students.head import embedding_dim
 
     teacher, student = models(args)
     spec = e2e_spec(args, teacher, student)
@@ -491,9 +491,10 @@ def run_teacher(args: argparse.Namespace, results: Results) -> None:
     import numpy as np
     from accelerate import Accelerator
 
-    from distill.batching import map_sharded
-    from distill.config import ModelConfig
-    from distill.teacher import TeacherCache
+    from distill.config import TeacherConfig
+    from distill.sharding import map_sharded
+    from distill.stages.targets import TeacherCache
+    from distill.teachers import TeacherContext
     from distill.teachers.local import LocalTeacher, TeacherSpec, load_teacher, token_lengths
 
     accelerator = Accelerator()
@@ -509,8 +510,8 @@ def run_teacher(args: argparse.Namespace, results: Results) -> None:
     teacher.max_seq_length = MAX_LENGTH
     lengths, found["token_lengths_seconds"] = timed(token_lengths, teacher, texts, MAX_LENGTH)  # the toolkit's key
     lengths = np.asarray(lengths)
-    config = ModelConfig(teacher_model=str(teacher_path), max_seq_length=MAX_LENGTH)
-    spec = TeacherSpec.from_config(config, accelerator.device)
+    context = TeacherContext(accelerator.device, student_tokens=MAX_LENGTH)
+    spec = TeacherSpec.from_config(TeacherConfig(teacher_model=str(teacher_path)), context)
     for attempt in (1, 2):
         folder = args.workdir / f"teacher-cache-{attempt}"
         shutil.rmtree(folder, ignore_errors=True)

@@ -155,9 +155,9 @@ def check_bert(models: dict[str, Path], precision: str) -> dict:
     """The BERT student padded and as the run's attention decision would train it unpadded."""
     from conftest import sentences
     from distill.batching import TokenizedTexts
-    from distill.student import load_student
-    from distill.students import texts_for
+    from distill.students import kind_of
     from distill.students.attention import choose_attention, use_unpadded_batches
+    from distill.students.transformer import load_student
 
     padded = load_student(str(models["bert"]), attention_dropout=0.0)
     unpadded = load_student(str(models["bert"]), attention_dropout=0.0)
@@ -168,7 +168,9 @@ def check_bert(models: dict[str, Path], precision: str) -> dict:
     texts = sentences(48, seed=3)
     rows = list(range(len(texts)))
     a = training_step(padded, TokenizedTexts(padded.tokenizer, texts, 64).features(rows), precision)
-    b = training_step(unpadded, texts_for(unpadded)(unpadded.tokenizer, texts, 64).features(rows), precision)
+    b = training_step(
+        unpadded, kind_of(unpadded).texts(unpadded)(unpadded.tokenizer, texts, 64).features(rows), precision
+    )
     kernel = "varlen_attn" if cuda() and precision == "bf16" else "each text's own scaled_dot_product_attention"
     return {"decision": decision.to_dict(), "unpadded_kernel": kernel, **within(differences(a, b), precision)}
 
@@ -179,7 +181,7 @@ def check_mpnet(models: dict[str, Path], precision: str) -> dict:
 
     from conftest import sentences
     from distill.batching import TokenizedTexts
-    from distill.student import load_student
+    from distill.students.transformer import load_student
 
     fused = load_student(str(models["mpnet"]), attention_dropout=0.0)
     if not all(getattr(m, "fused_attention", False) for m in fused.modules() if type(m).__name__ == "MPNetEncoder"):

@@ -92,9 +92,10 @@ def student_row(path: Path, texts: list[str], batch_size: int, args: argparse.Na
 
     from distill.batching import TokenizedTexts
     from distill.losses import LossWeights, alignment_loss
-    from distill.student import embedding_dim, load_student
-    from distill.students import texts_for
+    from distill.students import kind_of
     from distill.students.attention import choose_attention, use_unpadded_batches
+    from distill.students.head import embedding_dim
+    from distill.students.transformer import load_student
 
     student = load_student(str(path), max_seq_length=gpu.MAX_LENGTH, attention_dropout=0.0)
     if options.get("eager"):
@@ -106,7 +107,7 @@ def student_row(path: Path, texts: list[str], batch_size: int, args: argparse.Na
             use_unpadded_batches(student)
         elif not attention["unpadded"]:
             raise RuntimeError(f"the toolkit keeps this student padded here: {attention['reason']}")
-    batching = texts_for(student) if options.get("unpadded") else TokenizedTexts
+    batching = kind_of(student).texts(student) if options.get("unpadded") else TokenizedTexts
     tokens = batching(student.tokenizer, texts, gpu.MAX_LENGTH)
     dim = embedding_dim(student)
     if options.get("min_tokens"):
@@ -120,7 +121,7 @@ def student_row(path: Path, texts: list[str], batch_size: int, args: argparse.Na
     elif options.get("real_tokens"):  # the work of the texts themselves: counted on their unpadded batches
         counter = load_student(str(path), max_seq_length=gpu.MAX_LENGTH, attention_dropout=0.0)
         use_unpadded_batches(counter)
-        flat = texts_for(counter)(counter.tokenizer, texts, gpu.MAX_LENGTH)
+        flat = kind_of(counter).texts(counter)(counter.tokenizer, texts, gpu.MAX_LENGTH)
         flops = linear_flops(counter.to(gpu.device()), gpu.collate(flat, batches[args.warmup :], dim))
     else:
         flops = linear_flops(student, collated[args.warmup :])

@@ -3,8 +3,9 @@
     python bench/mining.py --pairs 25000,50000,100000 [--dim 384] [--count 4] [--out runs/bench-mining]
 
 Each size: one process writes random unit vectors (float16, as the teacher cache keeps them) to `.npy` files;
-another memory-maps them, as the cache is read, and `distill.teacher.mine_rows` mines every query. The table gives
-the mining process's peak RSS before and after mining, and the seconds; the vectors' own bytes are the map's.
+another memory-maps them, as the cache is read, and `distill.stages.negatives.mine_rows` mines every query. The
+table gives the mining process's peak RSS before and after mining, and the seconds; the vectors' own bytes are the
+map's.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def measure(pairs: int, dim: int, count: int, folder: Path) -> dict:
     import numpy as np
 
     sys.path.insert(0, str(ROOT))
-    from distill.teacher import mine_rows
+    from distill.stages.negatives import mine_rows
 
     queries, passages = (np.load(folder / f"{name}.npy", mmap_mode="r") for name in ("queries", "passages"))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -10,7 +10,7 @@ One run, one config file, the same teacher, student, texts and evaluation set fo
     (phase-1 texts, phase-2 queries and passages, of the phases (a) runs), from the same initial (pruned)
     student, and stops when it has trained as long as (a) did (wall-clock seconds of training, its phases together).
 
-Both students are scored by `distill.evaluation.evaluate_student` on the embedded held-out set against the
+Both students are scored by `distill.stages.scoring.evaluate_student` on the embedded held-out set against the
 cached teacher vectors, and the table, the machine, the versions and the command go into a report,
 runs/quality/QUALITY.md by default (between markers, one section per --name; the rest of the file is left alone).
 docs/QUALITY.md summarises such reports.
@@ -124,23 +124,26 @@ def run_peer(config, output_dir: Path, args: argparse.Namespace, budget_s: float
     from sentence_transformers.sentence_transformer import losses
     from torch import nn
 
-    from distill.data import load_data, passage_texts
-    from distill.evaluation import eval_inputs, evaluate_student
-    from distill.student import DistillationModel, dense_module, embedding_dim, load_student, matryoshka_dims
-    from distill.teacher import embed_with_teacher
+    from distill.stages.data import load_data, passage_texts
+    from distill.stages.scoring import eval_inputs, evaluate_student
+    from distill.stages.targets import embed_with_teacher
+    from distill.students.head import DistillationModel, dense_module, embedding_dim, matryoshka_dims
+    from distill.students.transformer import load_student
 
     accelerator = Accelerator()
     # the texts the toolkit trains on: a skipped phase brings none
     training = config.training
     data = load_data(config.data, training.seed, not training.skip_phase1, not training.skip_phase2)
     teacher = embed_with_teacher(accelerator, config, data)  # cache hits: the toolkit run encoded these texts
-    student = load_student(config.model.student_model, config.model.student_num_layers, config.model.max_seq_length)
+    student = load_student(
+        config.student.student_model, config.student.student_num_layers, config.student.max_seq_length
+    )
     student_dim = embedding_dim(student)
     texts = data.phase1_texts + data.phase2.queries + passage_texts(data.phase2)[0]
     labels = np.concatenate([v for v in (teacher.phase1, teacher.queries, teacher.passages) if v is not None]).astype(
         np.float32
     )
-    if config.model.use_projection:
+    if config.mode.use_projection:
         loss = losses.EmbedDistillLoss(student, distance_metric=distance, projection_dim=labels.shape[1])
         recipe = f"EmbedDistillLoss(distance_metric={distance!r}, projection_dim={labels.shape[1]})"
     else:  # the same target the toolkit's MRL mode uses: the teacher truncated to the student's width, unit length
@@ -170,7 +173,7 @@ def run_peer(config, output_dir: Path, args: argparse.Namespace, budget_s: float
     output = trainer.train()
     train_seconds = time.perf_counter() - started
     projection = None
-    if config.model.use_projection:
+    if config.mode.use_projection:
         linear: nn.Linear = loss.projection
         projection = dense_module()(
             linear.in_features,
@@ -181,7 +184,7 @@ def run_peer(config, output_dir: Path, args: argparse.Namespace, budget_s: float
             init_bias=linear.bias.detach().cpu().clone(),
         )
     model = DistillationModel(student.cpu(), projection)
-    dims = None if config.model.use_projection else matryoshka_dims(student_dim, config.model.matryoshka_dims)
+    dims = None if config.mode.use_projection else matryoshka_dims(student_dim, config.mode.matryoshka_dims)
     metrics = evaluate_student(
         accelerator, model, eval_inputs(student, data, teacher.evaluation), 2 * config.training.batch_size, dims
     )
@@ -237,7 +240,7 @@ def paired_difference(ours: list[int], theirs: list[int], resamples: int = 10_00
     """
     from scipy.stats import bootstrap
 
-    from distill.evaluation import ndcg_per_query
+    from distill.metrics import ndcg_per_query
 
     if len(ours) != len(theirs):
         raise ValueError(f"paired comparison needs the same queries on both sides, got {len(ours)} and {len(theirs)}")
@@ -450,7 +453,7 @@ def main() -> int:
     else:
         toolkit, _, toolkit_seconds = run_toolkit(args.config, output_dir / "toolkit", extra)
     budget = args.peer_budget_s or sum(p["train_seconds"] for p in toolkit["phases"].values())
-    distances = args.peer_distance.split(",") if config.model.use_projection else ["mse"]
+    distances = args.peer_distance.split(",") if config.mode.use_projection else ["mse"]
     peers = []
     for distance in distances:
         peer_dir = output_dir / ("peer" if len(distances) == 1 else f"peer_{distance}")

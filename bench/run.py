@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from distill.allocator import allocator_named_in, find_tcmalloc, preload_value
-from distill.student import TRAINING_ATTENTION_DROPOUT
+from distill.students.transformer import TRAINING_ATTENTION_DROPOUT
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS_SCRIPT = Path(__file__).resolve().parent / "variants.py"
@@ -87,7 +87,7 @@ def workload_texts(count: int) -> tuple[list[str], str]:
 
 
 def _clean(texts: list[str]) -> list[str]:
-    """What distill.data.clean_texts keeps: non-empty strings, whitespace collapsed, first of each duplicate."""
+    """What distill.stages.data.clean_texts keeps: non-empty strings, whitespace collapsed, first of each duplicate."""
     cleaned = (" ".join(t.split()) for t in texts if isinstance(t, str) and t.strip())
     return list(dict.fromkeys(cleaned))
 

@@ -35,24 +35,24 @@ def main(argv: list[str] | None = None) -> int:
     from model2vec.train import StaticModelForSimilarity
 
     from distill.config import load_config
-    from distill.data import EvalVectors, load_data
-    from distill.evaluation import score
     from distill.hub import model_fingerprint, resolve_model
-    from distill.student import pca_basis
+    from distill.metrics import score
+    from distill.stages.data import EvalVectors, load_data
+    from distill.stages.targets import TeacherCache, teacher_context
+    from distill.students.head import pca_basis
     from distill.students.static import DEFAULT_DIM, source_model
-    from distill.teacher import TeacherCache
     from distill.teachers.local import LocalTeacher, TeacherSpec
 
     config = load_config(["--config", args.config, "--seed", str(args.seed)])
     accelerator = Accelerator(cpu=True)
     data = load_data(config.data, config.training.seed, need_phase2=False)
     assert data.evaluation is not None
-    spec = TeacherSpec.from_config(config.model, accelerator.device)
+    spec = TeacherSpec.from_config(config.teacher, teacher_context(config, accelerator.device))
     cache = TeacherCache(accelerator, LocalTeacher(spec), config.output.teacher_cache_dir, 64)
     targets = np.asarray(cache.embeddings(data.phase1_texts, "document"), dtype=np.float32)
-    dim = config.model.student_dim or DEFAULT_DIM
+    dim = config.student.student_dim or DEFAULT_DIM
     basis = pca_basis(targets)[:, :dim]  # the teacher in its top principal axes, as the run reads it
-    source = resolve_model(source_model(config.model.student_model, config.model.teacher_model))
+    source = resolve_model(source_model(config.student.student_model, config.teacher.teacher_model))
     table = Path(config.output.teacher_cache_dir).expanduser() / f"static-{model_fingerprint(source)[:16]}-{dim}"
     distilled = StaticModel.from_pretrained(str(table), force_download=False)
 

@@ -34,7 +34,7 @@ def load_texts(spec: dict) -> list[str]:
     """The workload exactly as the toolkit reads it (same cleaning, same cap)."""
     from accelerate import PartialState
 
-    from distill.data import load_phase1_texts
+    from distill.stages.data import load_phase1_texts
 
     PartialState()  # distill's loaders log through accelerate, which wants its state initialised
     return load_phase1_texts(spec["texts_file"], spec["samples"])
@@ -46,7 +46,7 @@ def load_eval(spec: dict) -> dict:
 
 def retrieval_scores(model, evaluation: dict, max_length: int) -> dict[str, float]:
     """nDCG@10 / MRR@10 of a SentenceTransformer on the evaluation set, scored as the toolkit scores."""
-    from distill.evaluation import retrieval_metrics
+    from distill.metrics import retrieval_metrics
 
     model.eval()
     model.max_seq_length = max_length
@@ -58,7 +58,7 @@ def retrieval_scores(model, evaluation: dict, max_length: int) -> dict[str, floa
 
 def eval_teacher(spec: dict) -> dict:
     """Build the evaluation set once (file shared by every variant) and score the teacher on it."""
-    from distill.data import embedded_eval_set
+    from distill.stages.data import embedded_eval_set
     from distill.teachers.local import load_teacher
 
     e = embedded_eval_set(spec["seed"], spec["eval_queries"])
@@ -89,7 +89,7 @@ def peer(spec: dict) -> dict:
     )
     from sentence_transformers.sentence_transformer.losses import MSELoss
 
-    from distill.student import load_student
+    from distill.students.transformer import load_student
 
     device, bf16 = spec.get("device", "cpu"), spec.get("bf16", False)
     kwargs = {"model_kwargs": {"torch_dtype": torch.bfloat16}} if bf16 else {}  # the toolkit's teacher on GPUs
@@ -199,13 +199,14 @@ def synchronize(device: str) -> None:
 
 def cached_teacher_vectors(spec: dict, texts: list[str]) -> np.ndarray:
     """The toolkit's own cached teacher vectors of `texts` (float16), looked up by the toolkit's cache key."""
-    from distill.cache import read_entry
-    from distill.config import ModelConfig
-    from distill.teacher import TeacherCache
+    from distill.config import TeacherConfig
+    from distill.stages.targets import TeacherCache
+    from distill.store import read_entry
+    from distill.teachers import TeacherContext
     from distill.teachers.local import LocalTeacher, TeacherSpec
 
-    config = ModelConfig(teacher_model=spec["teacher"], max_seq_length=spec["max_length"])
-    source = LocalTeacher(TeacherSpec.from_config(config, torch.device("cpu")))
+    context = TeacherContext("cpu", student_tokens=spec["max_length"])
+    source = LocalTeacher(TeacherSpec.from_config(TeacherConfig(teacher_model=spec["teacher"]), context))
     cache = TeacherCache(None, source, spec["cache_dir"], 1)
     key = cache.key(texts, "document")
     vectors = read_entry(Path(spec["cache_dir"]).expanduser() / key, key, len(texts))
@@ -217,7 +218,8 @@ def cached_teacher_vectors(spec: dict, texts: list[str]) -> np.ndarray:
 def floor(spec: dict, grouped: bool) -> dict:
     """Forward, loss, backward, AdamW step over pre-collated batches; nothing else is timed."""
     from distill.batching import LengthGroupedBatchSampler, TokenizedTexts
-    from distill.student import embedding_dim, load_student, matryoshka_dims
+    from distill.students.head import embedding_dim, matryoshka_dims
+    from distill.students.transformer import load_student
 
     texts = load_texts(spec)
     targets = cached_teacher_vectors(spec, texts)

@@ -18,13 +18,16 @@ from pathlib import Path
 from textwrap import indent
 from typing import TYPE_CHECKING, Any
 
-from distill.data import EMBEDDED, resolve_source
 from distill.errors import DistillError
 from distill.hub import resolve_model
+from distill.records import resolve_source
+from distill.stages.data import EMBEDDED
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.model_card import SentenceTransformerModelCardData
+
+    from distill.students.kinds import StudentDescription
 
 TAGS = ["distillation"]
 DISTILL_SECTION_BEFORE = "\n## Training Details\n"  # the generated card's heading distill's section goes above
@@ -133,11 +136,13 @@ def student_card_header(student_model: str) -> dict[str, Any]:
         return {}
 
 
-def card_data(settings: dict, figures: dict) -> SentenceTransformerModelCardData:
+def card_data(
+    settings: dict, figures: dict, student_kind: StudentDescription | None = None
+) -> SentenceTransformerModelCardData:
     """sentence-transformers' card data for the exported model, filled from the run and never from the Hub."""
     from sentence_transformers.sentence_transformer.model_card import SentenceTransformerModelCardData
 
-    student, teacher = base_model(settings), teacher_name(settings)
+    student, teacher = base_model(settings, student_kind), teacher_name(settings)
     own = student_card_header(student) if student else {}
     data = SentenceTransformerModelCardData(
         language=own.get("language"),  # the student's own card's: its vocabulary is the student's
@@ -181,29 +186,28 @@ def model_card(
     note: str = "",
     matryoshka: list[int] | None = None,
     figures: dict | None = None,
+    student: StudentDescription | None = None,
 ) -> str:
     """sentence-transformers' card for the folder's model, with distill's section in it.
 
     `table`: the evaluation and cost tables; `dims`: {"student": its dimension}, plus {"output": the projection's}
     when the model ends with the projection; `note`: what the folder holds; `matryoshka`: the widths a Matryoshka
-    student was trained to be truncated to (largest first); `figures`: results.json, for the header's scores.
+    student was trained to be truncated to (largest first); `figures`: results.json, for the header's scores;
+    `student`: what its kind says of the student (its base model, what the run did to it).
     """
     from sentence_transformers.base.model_card import generate_model_card
 
-    with card_data_of(sentence_transformer, card_data(settings, figures or {})):
+    with card_data_of(sentence_transformer, card_data(settings, figures or {}, student)):
         generated = generate_model_card(sentence_transformer)
-    section = distill_section(settings, table, dims, note, matryoshka)
+    section = distill_section(settings, table, dims, note, matryoshka, student)
     head, found, tail = generated.partition(DISTILL_SECTION_BEFORE)
     return f"{head}\n{section}{found}{tail}" if found else f"{generated.rstrip()}\n\n{section}"
 
 
-def base_model(settings: dict) -> str:
-    """The model the student starts from: --student_model, or for a static student the model its table was
-    distilled from (`static` is the teacher's, `static:<model>` that model's)."""
-    student = str(settings.get("student_model", ""))
-    if student == "static":
-        return str(settings.get("teacher_model") or "")
-    return student.removeprefix("static:")
+def base_model(settings: dict, student: StudentDescription | None = None) -> str:
+    """The model the student starts from, as its kind names it (a table's: the model it was distilled from);
+    without a kind's word, --student_model."""
+    return student.base_model if student is not None else str(settings.get("student_model", ""))
 
 
 def teacher_name(settings: dict) -> str:
@@ -215,15 +219,20 @@ def teacher_name(settings: dict) -> str:
 
 
 def distill_section(
-    settings: dict, table: str, dims: dict[str, int], note: str = "", matryoshka: list[int] | None = None
+    settings: dict,
+    table: str,
+    dims: dict[str, int],
+    note: str = "",
+    matryoshka: list[int] | None = None,
+    student: StudentDescription | None = None,
 ) -> str:
     """distill's part of the card: how the student was distilled, how to use its vectors, its scores and settings."""
     width = dims.get("output", dims.get("student"))
-    layers = settings.get("student_num_layers")
+    done = student.done if student is not None else ""  # what the run did to it, as its kind says
     intro = (
         f"Distilled with `distill` from teacher `{teacher_name(settings)}` into "
         f"`{settings.get('student_model')}`"
-        + (f" cut to {layers} evenly spaced layers" if layers else "")
+        + (f" {done}" if done else "")
         + f" ({dims.get('student')}-d"
         + (f", projected to the teacher's {dims['output']}-d" if "output" in dims else "")
         + (", Matryoshka" if matryoshka else "")

@@ -31,7 +31,8 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from safetensors.torch import load_file, save_file
 
-from distill.config import LEAVES, Config
+from distill.config.flags import LEAVES
+from distill.config.schema import Config
 from distill.distributed import elastic_restart, main_decides
 from distill.errors import DistillError
 from distill.results import RunResults

@@ -18,6 +18,7 @@ writers (the cache writer, the exporter, the checkpoint and results writers), ea
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import re
 import signal
@@ -40,7 +41,7 @@ from accelerate.utils import (
 )
 from tqdm.auto import tqdm
 
-from distill.config import Config
+from distill.config.schema import Config
 from distill.errors import DistillError, first_sentences
 from distill.tracking import resolve_trackers
 
@@ -77,6 +78,16 @@ def stop_with_the_launcher() -> bool:
 def world_size() -> int:
     """Processes in this job, as the launcher set them (1 without a launcher)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class OneProcessLines(logging.Filter):
+    """accelerate's logger prefixes every line with its process's rank, "[RANK 0] "; a job of one process has no
+    other, so its lines go without it. Several processes keep it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if world_size() == 1 and isinstance(record.msg, str):
+            record.msg = record.msg.removeprefix("[RANK 0] ")
+        return True
 
 
 def rank() -> int:

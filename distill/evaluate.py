@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 from unittest.mock import patch
 
-from distill.data import NANOBEIR_HUB
 from distill.errors import DistillError, first_line
+from distill.stages.data import NANOBEIR_HUB
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer

@@ -11,8 +11,9 @@ import json
 import os
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from distill.errors import DistillError
 from distill.files import bytes_bar, read_json
@@ -216,3 +217,86 @@ def load_sentence_transformer(
         raise DistillError(
             f"model {path!r} could not be loaded ({str(e).splitlines()[0][:160]}); {offline_hint()}"
         ) from None
+
+
+@dataclass
+class ModelShape:
+    """A model's size and shape, from its config on the meta device."""
+
+    parameters: int
+    embedding_parameters: int  # lookup tables: no FLOPs per token
+    frozen_parameters: int  # a pooler sentence-transformers never calls: no FLOPs, no gradients
+    tensors: int  # parameter tensors
+    layers: int
+    width: int
+    ffn: int
+    dim: int  # the embedding the model outputs
+
+    @property
+    def dense_parameters(self) -> int:
+        return self.parameters - self.embedding_parameters - self.frozen_parameters
+
+    @property
+    def trainable_parameters(self) -> int:
+        return self.parameters - self.frozen_parameters
+
+    def forward_flops(self, texts: int, mean_tokens: float, mean_square_tokens: float) -> float:
+        """2 x dense parameters per token, plus attention's 4 x layers x width x length per token."""
+        return texts * (2 * self.dense_parameters * mean_tokens + 4 * self.layers * self.width * mean_square_tokens)
+
+
+def config_folder(name: str, revision: str | None) -> Path:
+    """A local folder with the model's config and tokenizer files: the folder itself, the shipped copy, or the
+    Hub's (configs and tokenizer only, never the weights)."""
+    path = Path(resolve_model(name, revision))
+    if path.is_dir():
+        return path
+    return Path(hub_snapshot(name, revision, ("*.json", "*.txt", "*.model", "tokenizer*", "*.tiktoken")))
+
+
+def model_shape(folder: Path, num_layers: int | None = None, trust_remote_code: bool = False) -> ModelShape:
+    """Parameters and shape of the model in `folder` (`num_layers`: cut to that many), built on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModel
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    if num_layers is not None:
+        config.num_hidden_layers = num_layers
+    with torch.device("meta"):
+        model = AutoModel.from_config(config, trust_remote_code=trust_remote_code)
+    embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    pooler = sum(p.numel() for n, p in model.named_parameters() if n.startswith("pooler."))
+    total = sum(p.numel() for p in model.parameters())
+    width = int(config.hidden_size)
+    return ModelShape(
+        parameters=total,
+        embedding_parameters=embedding,
+        frozen_parameters=pooler,
+        tensors=len(list(model.parameters())),
+        layers=int(config.num_hidden_layers),
+        width=width,
+        ffn=int(getattr(config, "intermediate_size", 4 * width) or 4 * width),
+        dim=declared_dimension(str(folder)) or width,
+    )
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "vocab.txt",
+    "vocab.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+
+
+def tokenizer_of(folder: Path) -> Any | None:
+    """The folder's tokenizer; None when it has no tokenizer files (transformers would make an empty one)."""
+    from transformers import AutoTokenizer
+
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES) and not any(folder.glob("*.tiktoken")):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError):  # a folder with a config only
+        return None

@@ -19,11 +19,11 @@ from distill.errors import DistillError
 def check_inputs(config: Config) -> None:
     """The data paths a run reads and its output folder (a fresh run's must hold no checkpoints), without a model."""
     from distill.checkpoint import resume_requested
-    from distill.data import check_sources
+    from distill.records import check_sources
     from distill.report import probe_output_dir
     from distill.teachers import check_teacher
 
-    check_teacher(config.model)
+    check_teacher(config.teacher)
     training = config.training
     check_sources(config.data, not training.skip_phase1, not training.skip_phase2)
     probe_output_dir(Path(config.output.output_dir).expanduser(), fresh=not resume_requested(config))

@@ -35,16 +35,16 @@ from distill.batching import (
     make_loader,
 )
 from distill.checkpoint import PHASES as PHASE_ORDER
-from distill.config import Config
-from distill.data import DistillData, passage_texts
+from distill.config.schema import Config
 from distill.errors import DistillError
 from distill.losses import LossWeights, alignment_loss, similarity_kl_loss
-from distill.students import texts_for
+from distill.stages.data import DistillData, passage_texts
+from distill.students import kind_of
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
 
-    from distill.teacher import TeacherVectors
+    from distill.stages.targets import TeacherVectors
 
 logger = get_logger(__name__)
 
@@ -81,7 +81,7 @@ def phase_settings(config: Config, name: str, world: int) -> PhaseSettings:
     t, losses = config.training, config.losses
     # with phase 1's own target (phase1_teacher_model) the student is not in the teacher's space: phase 2 distils
     # the teacher's similarities alone
-    aligned = not (name == "phase2" and config.model.phase1_teacher_model)
+    aligned = not (name == "phase2" and config.teacher.phase1_teacher_model)
     return PhaseSettings(
         name=name,
         epochs=phase_config.epochs,
@@ -164,7 +164,7 @@ class Phase:
 
     def _tokenizer(self, student: SentenceTransformer) -> partial[TokenizedTexts]:
         return partial(
-            texts_for(student),
+            kind_of(student).texts(student),
             student.tokenizer,
             max_length=student.max_seq_length,
             pad_to_multiple_of=self.config.performance.pad_to_multiple_of,

@@ -2,15 +2,15 @@
 
     texts -> teacher embeddings -> student -> phase 1 -> phase 2 -> evaluation -> cost -> export -> publish
 
-1. data: phase-1 texts, phase-2 (query, passage) pairs, the held-out evaluation set    (data.py)
-2. teacher: embeddings of every text, sharded over processes, cached by content        (teacher.py, cache.py)
-3. student: loaded, pruned, projection or basis fitted on the teacher's vectors        (student.py)
-4. baseline: the teacher and the untrained student evaluated                           (evaluation.py)
+1. data: phase-1 texts, phase-2 (query, passage) pairs, the held-out evaluation set    (stages/data.py)
+2. teacher: embeddings of every text, sharded over processes, cached by content        (stages/targets.py)
+3. student: loaded by its kind, projection or basis fitted on the teacher's vectors    (stages/initialise.py)
+4. baseline: the teacher and the untrained student evaluated                           (stages/scoring.py)
 5. phases: phase 1 aligns the student with the teacher's vectors on general text;      (phases.py, loop.py)
    phase 2 distils the teacher's in-batch query/passage similarities
-6. cost: the student's size and encoding speed beside the teacher's, on this device    (efficiency.py)
-7. export: SentenceTransformer folder(s), results.json and the report                 (export.py, report.py)
-8. publish: the exported folder uploaded to the Hub (--push_to_hub)                   (export.py)
+6. cost: the student's size and encoding speed beside the teacher's, on this device    (stages/cost.py)
+7. export: SentenceTransformer folder(s), results.json and the report                 (stages/export.py, report.py)
+8. publish: the exported folder uploaded to the Hub (--push_to_hub)                   (stages/export.py)
 
 `run(config)` is what `python -m distill.train` calls on every process, and what a Python user calls too.
 """
@@ -29,20 +29,25 @@ from accelerate.utils import set_seed
 
 from distill.allocator import heap_allocator, release_freed_memory
 from distill.checkpoint import Resume, TrainingState, resume_requested
-from distill.config import Config, to_flat_dict
-from distill.data import DistillData, load_data
+from distill.config.flags import to_flat_dict
+from distill.config.schema import Config
 from distill.distributed import main_decides, make_accelerator
-from distill.efficiency import CostTexts, Efficiency, cost_table, measure_student, trade_off_line
 from distill.errors import OutOfMemory
-from distill.evaluation import EvalInputs, PhaseEvaluation, eval_inputs, evaluate_student, evaluate_teacher, score
-from distill.export import deployable_model, export_models, push_to_hub
 from distill.files import folder_bytes
 from distill.loop import CheckpointSettings, train_phase, training_memory_message
+from distill.metrics import score
 from distill.phases import Phase, check_phase_sizes, make_phases
 from distill.report import check_output_dir, prepare_output_dir, results_table, write_results
 from distill.results import PhaseFigures, RunResults
-from distill.student import DistillationModel, build_student, check_declared_dimensions, phase_bases
-from distill.teacher import TeacherVectors, embed_with_teacher
+from distill.stages.cost import CostTexts, Efficiency, cost_table, measure_student, trade_off_line
+from distill.stages.data import DistillData, load_data
+from distill.stages.export import deployable_model, export_models, push_to_hub
+from distill.stages.initialise import build_student, check_declared_dimensions, phase_bases
+from distill.stages.scoring import EvalInputs, PhaseEvaluation, eval_inputs, evaluate_student, evaluate_teacher
+from distill.stages.targets import CacheSettings, TeacherVectors, embed_with_teacher, teacher_context
+from distill.students import kind_of, student_kind
+from distill.students.head import DistillationModel
+from distill.students.kinds import StudentDescription
 from distill.teachers.local import teacher_dtype
 from distill.tracking import tracker_config
 
@@ -55,13 +60,17 @@ def run(config: Config) -> RunResults:
     accelerator, resume = start(config)
     phases = make_phases(config, accelerator.num_processes)
     trained = {phase.name for phase in phases}
-    check_declared_dimensions(config.model)  # before any encoding: a wrong pairing fails in seconds
+    check_declared_dimensions(config)  # before any encoding: a wrong pairing fails in seconds
+    student = student_kind(config.student.student_model).describe(config.student, config.teacher)
     with stage("data"):
         data = load_data(config.data, config.training.seed, "phase1" in trained, "phase2" in trained)
         check_phase_sizes(phases, data, config.training.batch_size, accelerator.num_processes)
     costs = CostTexts.from_data(data, config.output.efficiency_texts, config.training.batch_size, config.training.seed)
     with stage("teacher"):  # the teacher's own cost is measured while it is loaded: it is never loaded twice
-        teacher = embed_with_teacher(accelerator, config, data, costs)
+        context = teacher_context(config, accelerator.device)
+        batch_size = config.performance.teacher_batch_size or config.training.batch_size
+        cache = CacheSettings(config.output.teacher_cache_dir, batch_size, config.data.mine_hard_negatives)
+        teacher = embed_with_teacher(accelerator, config.teacher, context, cache, data, costs)
     with stage("student"):
         model, dims, basis = build_student(accelerator, config, teacher.fit_dim, *teacher.fit_sample(data))
         bases = phase_bases(accelerator, config, model, basis, teacher)
@@ -86,7 +95,7 @@ def run(config: Config) -> RunResults:
     with stage("cost"):
         efficiency = cost_stage(accelerator, config, model, teacher, costs)
     with stage("export"):
-        results = export_stage(accelerator, config, model, state, teacher, efficiency, evaluation is not None)
+        results = export_stage(accelerator, config, model, state, teacher, efficiency, student)
         path = write_results(accelerator, output_dir, results)
     exported = (results.exported or {}).get("model")
     if config.output.push_to_hub and exported:  # after results.json: an upload never costs the results
@@ -129,7 +138,7 @@ def evaluate_baseline(
     results.mode = results.mode or ("projection" if model.projection is not None else "matryoshka")
     results.world_size = accelerator.num_processes
     results.heap_allocator = heap_allocator()
-    path = getattr(model.student, "attention_path", None)  # a transformer's; a static table has no attention
+    path = getattr(model.student, "attention_path", None)  # a transformer's; other kinds have no attention to choose
     results.attention = path.to_dict() if path is not None else None
     if accelerator.device.type == "cpu" and results.heap_allocator == "glibc":
         logger.warning(
@@ -214,8 +223,10 @@ def cost_stage(
     """What the deployable student costs beside the teacher, timed alike on this device (None: not measured)."""
     if costs is None:
         return None
-    dtype = teacher_dtype(config.model.teacher_dtype, accelerator.device)  # both models in one dtype
-    return measure_student(accelerator, deployable_model(model), teacher.cost, costs, dtype, teacher.cost_note)
+    dtype = teacher_dtype(config.teacher.teacher_dtype, accelerator.device)  # both models in one dtype
+    deployable = deployable_model(model)
+    runtime = kind_of(deployable).runtime_cost  # a kind's own runtime as well: a table's through model2vec
+    return measure_student(accelerator, deployable, teacher.cost, costs, dtype, teacher.cost_note, runtime)
 
 
 def export_stage(
@@ -225,10 +236,11 @@ def export_stage(
     state: TrainingState,
     teacher: TeacherVectors,
     efficiency: Efficiency | None,
-    evaluated: bool,
+    student: StudentDescription,
 ) -> RunResults:
     """The run's results, complete, and the exported model folder(s) with their card (with --save_to_artifacts)."""
     results = state.results
+    evaluated = results.teacher is not None
     if evaluated:  # the evaluation rows, once, at the run's last step
         accelerator.log(results.tracked_scalars(), step=state.global_step())
     results.teacher_loaded = teacher.loaded
@@ -240,7 +252,8 @@ def export_stage(
         figures = results.to_dict()
         table = results_table(figures) if evaluated else NO_EVALUATION
         card = "\n\n".join(filter(None, [table, trade_off_line(figures), cost_table(figures)]))
-        exported = export_models(accelerator, model, config.output.artifacts_dir, results.config, card, figures)
+        folder = config.output.artifacts_dir
+        exported = export_models(accelerator, model, folder, results.config, card, figures, student)
         results.exported = exported
         if efficiency is not None:
             efficiency.exported_bytes = main_decides(accelerator, lambda: folder_bytes(exported["model"]))

@@ -12,12 +12,13 @@ import numpy as np
 from accelerate import Accelerator
 
 from distill.checkpoint import checkpoint_root, list_checkpoints
-from distill.config import Config, dump_config
+from distill.config.flags import dump_config
+from distill.config.schema import Config
 from distill.distributed import main_decides, on_main_process
-from distill.efficiency import cost_table, trade_off_line
 from distill.errors import DistillError
 from distill.files import write_atomic, write_json_atomic
 from distill.results import ROWS, RunResults
+from distill.stages.cost import cost_table, trade_off_line
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ from typing import IO, Any
 
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker, on_main_process
 
-from distill.config import Config, to_flat_dict
+from distill.config.flags import to_flat_dict
+from distill.config.schema import Config
 from distill.errors import DistillError
 
 METRICS_FILE = "metrics.jsonl"

@@ -29,8 +29,12 @@ def _set_up_logging() -> None:
     outputs went) or at accelerate's ACCELERATE_LOG_LEVEL; other libraries stay at warnings."""
     import logging
 
+    from distill.distributed import OneProcessLines
+
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(message)s")  # what Python prints for a warning with no logging set up
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(OneProcessLines())
     logging.getLogger("distill").setLevel(os.environ.get("ACCELERATE_LOG_LEVEL", "info").upper())
 
 

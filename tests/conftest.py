@@ -223,6 +223,20 @@ def nanobeir_stand_in(tmp_path_factory) -> Path:
     return shared_folder(tmp_path_factory, "nanobeir", write_nanobeir_stand_in)
 
 
+def teacher_spec(device: object, phase1: bool = False, **flags: object) -> object:
+    """The TeacherSpec a run with these flags makes: the teacher's settings, and the student's token limit as its
+    kind reports it (distill.stages.targets.teacher_context)."""
+    from distill.config import FLAGS, Config
+    from distill.stages.targets import teacher_context
+    from distill.teachers.local import TeacherSpec
+
+    config = Config()
+    for flag, value in flags.items():
+        leaf = FLAGS[flag]
+        setattr(getattr(config, leaf.section), leaf.name, value)
+    return TeacherSpec.from_config(config.teacher, teacher_context(config, device), phase1=phase1)
+
+
 def tiny_run_flags(tiny_models: dict[str, Path], tiny_data: dict[str, Path], out: Path, **overrides) -> list[str]:
     """Flags for a fast end-to-end run on the tiny models and data."""
     flags = {
@@ -270,8 +284,8 @@ def steady_cpu_probe(monkeypatch):
     """The cost stage's CPU load probe reads one fixed rate in this process: a kept teacher figure is reused whatever
     the suite's workers do meanwhile, and no tiny run spends a second timing matmuls or passes. Runs started as
     separate processes probe and time for real."""
-    monkeypatch.setattr("distill.efficiency.machine_gflops", lambda device: 100.0 if device.type == "cpu" else None)
-    monkeypatch.setattr("distill.efficiency.MIN_TIMED_SECONDS", 0.0)  # one pass over a tiny run's passages
+    monkeypatch.setattr("distill.stages.cost.machine_gflops", lambda device: 100.0 if device.type == "cpu" else None)
+    monkeypatch.setattr("distill.stages.cost.MIN_TIMED_SECONDS", 0.0)  # one pass over a tiny run's passages
 
 
 @pytest.fixture

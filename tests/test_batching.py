@@ -21,9 +21,9 @@ from distill.batching import (
     assemble_chunks,
     length_chunks,
     make_loader,
-    map_sharded,
 )
 from distill.errors import OutOfMemory
+from distill.sharding import map_sharded
 
 
 @pytest.fixture(scope="module")

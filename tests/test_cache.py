@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from distill import cache
-from distill.cache import claim, human_bytes, list_cache, main, prune, read_entry
+from distill.cache import human_bytes, list_cache, main, prune
+from distill.store import claim, read_entry
 
 HOST = socket.gethostname()
 DAY = 86400.0

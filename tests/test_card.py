@@ -8,6 +8,7 @@ import yaml
 from sentence_transformers import SentenceTransformer
 
 from distill.card import card_scores, distill_section, hub_dataset_id, model_card, student_card_header
+from distill.students.kinds import StudentDescription
 
 RESULTS = {
     "student_after": {
@@ -86,7 +87,8 @@ def test_scores_and_sources() -> None:
 def test_distill_section_says_what_the_folder_holds() -> None:
     settings = {"teacher_model": "big/teacher", "student_model": "small/student"}
     assert "`small/student` (32-d)." in distill_section(settings, "", {"student": 32})
-    pruned = distill_section({**settings, "student_num_layers": 3}, "", {"student": 32})
+    cut = StudentDescription("small/student", None, done="cut to 3 evenly spaced layers")  # as its kind says it
+    pruned = distill_section({**settings, "student_num_layers": 3}, "", {"student": 32}, student=cut)
     assert "`small/student` cut to 3 evenly spaced layers (32-d)" in pruned  # not the whole model it started from
     # a projection to the student's own width still maps into the teacher's space
     assert "(48-d, projected to the teacher's 48-d)." in distill_section(settings, "", {"student": 48, "output": 48})

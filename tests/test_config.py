@@ -24,9 +24,9 @@ def test_defaults_without_arguments() -> None:
     assert config.training.batch_size == 64
     assert config.phase1.epochs == 1 and config.phase1.lr == pytest.approx(2e-5)
     assert config.phase2.epochs == 3 and config.phase2.lr == pytest.approx(5e-6)
-    assert config.model.use_projection is True
+    assert config.mode.use_projection is True
     assert config.training.skip_phase1 is False
-    assert config.model.matryoshka_dims is None
+    assert config.mode.matryoshka_dims is None
 
 
 def test_yaml_overrides_defaults_and_flags_override_yaml(tmp_path: Path) -> None:
@@ -39,7 +39,7 @@ def test_yaml_overrides_defaults_and_flags_override_yaml(tmp_path: Path) -> None
     assert from_yaml.phase1.lr == pytest.approx(1e-4)
     assert from_yaml.phase2.epochs == 5
     assert from_yaml.training.seed == 3
-    assert from_yaml.model.use_projection is False
+    assert from_yaml.mode.use_projection is False
     # untouched keys keep their defaults
     assert from_yaml.phase2.lr == pytest.approx(5e-6)
     assert from_yaml.training.warmup_ratio == pytest.approx(0.1)
@@ -100,7 +100,7 @@ def test_every_unknown_flag_is_reported_with_the_other_problems(tmp_path: Path) 
 def test_a_flag_without_its_value_is_one_line_not_a_usage_dump() -> None:
     with pytest.raises(DistillError, match=r"^argument --teacher_model: expected one argument; give the flag its"):
         load_config(["--teacher_model"])
-    assert load_config(["--teacher_query_prompt=-x"]).model.teacher_query_prompt == "-x"
+    assert load_config(["--teacher_query_prompt=-x"]).teacher.teacher_query_prompt == "-x"
 
 
 def test_unknown_yaml_key_names_closest_valid_key(tmp_path: Path) -> None:
@@ -112,7 +112,7 @@ def test_unknown_yaml_key_names_closest_valid_key(tmp_path: Path) -> None:
 def test_yaml_nested_in_sections_says_the_file_is_flat(tmp_path: Path) -> None:
     """The dataclass tree has sections; a YAML written after it is told the flat names to use instead."""
     path = tmp_path / "nested.yaml"
-    path.write_text("phase1:\n  lr: 1.0e-4\n  epochs: 2\nmodel:\n  teacher_model: x\n")
+    path.write_text("phase1:\n  lr: 1.0e-4\n  epochs: 2\nteacher:\n  teacher_model: x\n")
     with pytest.raises(DistillError) as info:
         load_config(["--config", str(path)])
     message = str(info.value)
@@ -146,7 +146,10 @@ def test_unknown_yaml_key_via_build_config() -> None:
         (["--weight_decay", "-1"], r"weight_decay: expected a number >= 0"),
         (["--student_num_layers", "0"], r"student_num_layers: expected a positive integer or nothing"),
         (["--matryoshka_dims", "384,-2"], r"matryoshka_dims: expected positive integers"),
-        (["--matryoshka_dims", "64,32"], r"matryoshka_dims: projection mode trains no Matryoshka dimensions; pass"),
+        (
+            ["--matryoshka_dims", "64,32"],
+            r"matryoshka_dims: applies only to Matryoshka mode; pass --use_projection False or drop",
+        ),
         (["--matryoshka_dims", "384,big"], r"matryoshka_dims: expected a list of integers"),
         (["--batch_size", "none"], r"batch_size: expected int, got 'none'"),
         (["--seed", "-1"], r"seed: expected an integer from 0 to 4294967295, got -1"),
@@ -161,7 +164,7 @@ def test_unknown_yaml_key_via_build_config() -> None:
         (["--skip_phase1", "--skip_phase2"], r"skip_phase1 and skip_phase2 are both set"),
         (
             ["--phase1_teacher_model", "student/source"],
-            r"phase1_teacher_model: a projection maps to one teacher's space.*; pass --use_projection False or drop",
+            r"phase1_teacher_model: applies only to Matryoshka mode; pass --use_projection False or drop",
         ),
         (
             ["--phase1_teacher_model", "student/source", "--use_projection", "False", "--skip_phase2"],
@@ -273,34 +276,34 @@ def test_bool_flag_alone_means_true() -> None:
     [("False", False), ("false", False), ("0", False), ("no", False), ("True", True), ("1", True), ("yes", True)],
 )
 def test_bool_flag_with_value(value: str, expected: bool) -> None:
-    assert load_config(["--use_projection", value]).model.use_projection is expected
+    assert load_config(["--use_projection", value]).mode.use_projection is expected
 
 
 def test_bool_from_yaml_overridden_by_flag(tmp_path: Path) -> None:
     path = write_yaml(tmp_path / "c.yaml", {"use_projection": False, "trust_remote_code": True})
     config = load_config(["--config", str(path), "--use_projection", "True"])
-    assert config.model.use_projection is True
-    assert config.model.trust_remote_code is True
+    assert config.mode.use_projection is True
+    assert config.student.trust_remote_code is True
 
 
 def test_matryoshka_dims_parsing(tmp_path: Path) -> None:
     mrl = ["--use_projection", "False", "--matryoshka_dims"]
-    assert load_config([*mrl, "384,192"]).model.matryoshka_dims == [384, 192]
-    assert load_config([*mrl, "384"]).model.matryoshka_dims == [384]
-    assert load_config([*mrl, "64,32,"]).model.matryoshka_dims == [64, 32]
-    assert load_config([*mrl, "64", "32"]).model.matryoshka_dims == [64, 32]  # space-separated, as `nargs="+"`
-    assert load_config([*mrl, "64,", "32"]).model.matryoshka_dims == [64, 32]
-    assert load_config([*mrl, "None"]).model.matryoshka_dims is None
-    assert load_config(["--matryoshka_dims", "None"]).model.matryoshka_dims is None  # projection mode: nothing set
+    assert load_config([*mrl, "384,192"]).mode.matryoshka_dims == [384, 192]
+    assert load_config([*mrl, "384"]).mode.matryoshka_dims == [384]
+    assert load_config([*mrl, "64,32,"]).mode.matryoshka_dims == [64, 32]
+    assert load_config([*mrl, "64", "32"]).mode.matryoshka_dims == [64, 32]  # space-separated, as `nargs="+"`
+    assert load_config([*mrl, "64,", "32"]).mode.matryoshka_dims == [64, 32]
+    assert load_config([*mrl, "None"]).mode.matryoshka_dims is None
+    assert load_config(["--matryoshka_dims", "None"]).mode.matryoshka_dims is None  # projection mode: nothing set
     path = write_yaml(tmp_path / "c.yaml", {"use_projection": False, "matryoshka_dims": [256, 128, 64]})
-    assert load_config(["--config", str(path)]).model.matryoshka_dims == [256, 128, 64]
+    assert load_config(["--config", str(path)]).mode.matryoshka_dims == [256, 128, 64]
 
 
 def test_optional_fields_accept_none() -> None:
     config = load_config(["--student_num_layers", "3", "--max_seq_length", "none", "--teacher_revision", "main"])
-    assert config.model.student_num_layers == 3
-    assert config.model.max_seq_length is None
-    assert config.model.teacher_revision == "main"
+    assert config.student.student_num_layers == 3
+    assert config.student.max_seq_length is None
+    assert config.teacher.teacher_revision == "main"
 
 
 def test_dump_config_round_trips(tmp_path: Path) -> None:
@@ -404,8 +407,8 @@ def test_empty_yaml_means_defaults(tmp_path: Path) -> None:
 def test_shipped_demo_config_loads() -> None:
     demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
     config = load_config(["--config", str(demo)])
-    assert config.model.use_projection is False
-    assert config.model.student_num_layers == 3
+    assert config.mode.use_projection is False
+    assert config.student.student_num_layers == 3
     # phase 1 on all the embedded general text (18,372 sentences), phase 2 off (docs/QUALITY.md)
     assert config.data.phase1_data == "embedded" and config.data.max_samples_phase1 > 18_372
     assert config.training.skip_phase2 and not config.training.skip_phase1
@@ -436,12 +439,12 @@ def test_every_leaf_field_has_a_flag_and_help() -> None:
 
 @pytest.mark.parametrize("flag", ["teacher_query_prompt", "teacher_document_prompt"])
 def test_an_empty_prompt_means_no_prompt_not_the_teachers_own(flag: str, tmp_path: Path) -> None:
-    assert getattr(load_config([f"--{flag}", ""]).model, flag) == ""
-    assert getattr(load_config([]).model, flag) is None  # unset: the teacher's own
+    assert getattr(load_config([f"--{flag}", ""]).teacher, flag) == ""
+    assert getattr(load_config([]).teacher, flag) is None  # unset: the teacher's own
     path = tmp_path / "config.yaml"
     path.write_text(f'{flag}: ""\n')
-    assert getattr(load_config(["--config", str(path)]).model, flag) == ""
-    assert load_config(["--max_seq_length", ""]).model.max_seq_length is None  # other flags: "" is still unset
+    assert getattr(load_config(["--config", str(path)]).teacher, flag) == ""
+    assert load_config(["--max_seq_length", ""]).student.max_seq_length is None  # other flags: "" is still unset
 
 
 def test_help_is_grouped_by_topic_and_loads_no_model_library():
@@ -481,7 +484,7 @@ def test_a_config_files_setting_that_a_flag_makes_irrelevant_is_dropped_with_a_w
 
     demo_mpnet = str(Path(__file__).resolve().parents[1] / "configs" / "demo_mpnet.yaml")
     config = load_config(["--config", demo_mpnet, "--skip_phase2"])
-    assert config.model.phase1_teacher_model is None and config.training.skip_phase2
+    assert config.teacher.phase1_teacher_model is None and config.training.skip_phase2
     assert config.dropped == (
         "phase1_teacher_model from --config is ignored: sets phase 1's target and leaves the teacher to phase 2, "
         "so it needs both phases",

@@ -13,9 +13,9 @@ import torch
 from sentence_transformers import SentenceTransformer
 
 from conftest import sentences
-from distill import efficiency
-from distill.data import DistillData, EvalSet, Pairs
-from distill.efficiency import (
+from distill.report import report_figure, report_markdown
+from distill.stages import cost as efficiency
+from distill.stages.cost import (
     CostTexts,
     Efficiency,
     ModelCost,
@@ -28,7 +28,7 @@ from distill.efficiency import (
     trade_off_line,
     weights_bytes,
 )
-from distill.report import report_figure, report_markdown
+from distill.stages.data import DistillData, EvalSet, Pairs
 
 GPU = torch.device("cuda")  # a device off the CPU: no load probe (nothing runs on it)
 
@@ -99,7 +99,7 @@ def test_a_fast_encoder_is_timed_over_passes_for_at_least_the_minimum(monkeypatc
 
 
 def test_a_static_students_model2vec_timing_is_its_own_row_and_ratio(tiny_models, tmp_path) -> None:
-    from distill.efficiency import measure_model2vec
+    from distill.stages.cost import measure_model2vec
     from distill.students.static import as_model2vec, load_static_student
 
     student = load_static_student(f"static:{tiny_models['teacher']}", None, 16, tmp_path)
@@ -183,17 +183,17 @@ def test_a_teacher_figure_kept_under_another_cpu_load_is_timed_again(tmp_path, m
     kept = TeacherCosts(tmp_path, "teacher-key", "Test CPU (CPU, 2 threads)", texts)
     kept.put(cost(40, 14.1, 50.0, gflops=40.0))  # timed while other work held the machine
     cpu = torch.device("cpu")
-    monkeypatch.setattr("distill.efficiency.machine_gflops", machine_gflops)  # the real one, over a stubbed probe
-    monkeypatch.setattr("distill.efficiency.cpu_matmul_flops", lambda seconds: 45e9)
+    monkeypatch.setattr("distill.stages.cost.machine_gflops", machine_gflops)  # the real one, over a stubbed probe
+    monkeypatch.setattr("distill.stages.cost.cpu_matmul_flops", lambda seconds: 45e9)
     assert kept.get(cpu) == cost(40, 14.1, 50.0, gflops=40.0)  # within the tolerance: kept
-    monkeypatch.setattr("distill.efficiency.cpu_matmul_flops", lambda seconds: 110e9)
+    monkeypatch.setattr("distill.stages.cost.cpu_matmul_flops", lambda seconds: 110e9)
     with caplog.at_level(logging.INFO):
         assert kept.get(cpu) is None  # the machine is idle now: the teacher is timed again
     assert "40.0 GFLOP/s" in caplog.text and "110.0 now" in caplog.text
 
 
 def test_measure_records_the_cpu_rate_it_timed_under(tiny_models, monkeypatch):
-    monkeypatch.setattr("distill.efficiency.machine_gflops", machine_gflops)  # the real probe
+    monkeypatch.setattr("distill.stages.cost.machine_gflops", machine_gflops)  # the real probe
     model = SentenceTransformer(str(tiny_models["student"]), device="cpu")
     found = measure(model, CostTexts(sentences(8, seed=5), sentences(3, seed=6), batch_size=8))
     assert found.machine_gflops is not None and found.machine_gflops > 0
@@ -263,7 +263,7 @@ def test_device_label_names_the_cpu_and_its_threads():
 
 
 def test_the_student_is_timed_in_the_teachers_dtype_and_left_as_it_was(accelerator, tiny_models):
-    from distill.efficiency import measure_student
+    from distill.stages.cost import measure_student
 
     student = SentenceTransformer(str(tiny_models["student"]), device="cpu")
     texts = CostTexts(sentences(12, seed=5), sentences(5, seed=6), batch_size=4)
@@ -276,7 +276,7 @@ def test_the_student_is_timed_in_the_teachers_dtype_and_left_as_it_was(accelerat
 
 def test_timing_the_cpu_draws_nothing_from_torchs_global_generator() -> None:
     """A run that times its teacher (cold cache) and one that reads the kept figures train the same student."""
-    from distill.efficiency import cpu_matmul_flops
+    from distill.stages.cost import cpu_matmul_flops
 
     torch.manual_seed(3)
     expected = torch.rand(4)

@@ -14,19 +14,10 @@ from sentence_transformers import SentenceTransformer
 
 from conftest import sentences
 from distill.batching import TokenizedTexts
-from distill.data import EvalSet, EvalVectors
-from distill.evaluation import (
-    EvalInputs,
-    evaluate_student,
-    evaluate_teacher,
-    ndcg_per_query,
-    retrieval_metrics,
-    retrieval_ranks,
-    score,
-    sts_spearman,
-    truncated,
-)
-from distill.student import DistillationModel, least_squares_projection
+from distill.metrics import ndcg_per_query, retrieval_metrics, retrieval_ranks, score, sts_spearman
+from distill.stages.data import EvalSet, EvalVectors
+from distill.stages.scoring import EvalInputs, evaluate_student, evaluate_teacher, truncated
+from distill.students.head import DistillationModel, least_squares_projection
 
 
 def one_hot(index: int, dim: int, scale: float = 1.0) -> np.ndarray:

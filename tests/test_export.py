@@ -13,10 +13,10 @@ import torch
 from sentence_transformers import SentenceTransformer
 
 from conftest import sentences, tiny_run_flags
-from distill import export
 from distill.errors import DistillError
-from distill.export import deployable_model, export_models, save_atomic
-from distill.student import DistillationModel, least_squares_projection
+from distill.stages import export
+from distill.stages.export import deployable_model, export_models, save_atomic
+from distill.students.head import DistillationModel, least_squares_projection
 
 CARD = "---\nlibrary_name: sentence-transformers\n---\n# Distilled student\n\ntest card\n"
 

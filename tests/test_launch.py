@@ -253,3 +253,20 @@ def test_each_machines_processes_are_counted_by_host_where_the_launcher_does_not
     monkeypatch.setattr(distributed, "gather_object", lambda items: ["a", "b", "a", "b", "b"])  # rank 3 is on b
     assert distributed.machine_share(process) == (1, 3)
     assert distributed.machine_share(SimpleNamespace(local_process_index=0, process_index=0, num_processes=1)) == (0, 1)
+
+
+def test_one_process_log_lines_carry_no_rank_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """accelerate prefixes each line with its rank; alone, a process's lines go without it; in a job of several,
+    each line keeps the rank that said it."""
+    import logging
+
+    from distill.distributed import OneProcessLines
+
+    def shown(world: str) -> str:
+        monkeypatch.setenv("WORLD_SIZE", world)
+        record = logging.LogRecord("distill.pipeline", logging.INFO, __file__, 1, "[RANK 0] data ...", None, None)
+        OneProcessLines().filter(record)
+        return record.getMessage()
+
+    assert shown("1") == "data ..."
+    assert shown("2") == "[RANK 0] data ..."

@@ -4,6 +4,7 @@ importable on its own."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ def _module_names(package: Path) -> list[str]:
     for path in sorted(package.rglob("*.py")):
         parts = path.relative_to(package).with_suffix("").parts
         parts = parts[:-1] if parts[-1] == "__init__" else parts
-        if parts:
+        if parts and parts[-1] != "__main__":  # a command: importing it runs it
             names.append(".".join(parts))
     return names
 
@@ -189,3 +190,91 @@ def test_every_module_imports_on_its_own() -> None:
     done = subprocess.run([sys.executable, "-c", FRESH_IMPORTS, *MODULES], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "", done.stdout
+
+
+LONGEST_MODULE = 500
+# The kinds' own modules: the only ones that may know a kind by its name (distill/students, distill/teachers).
+KIND_MODULES = {
+    "students.transformer",
+    "students.static",
+    "teachers.local",
+    "teachers.endpoint",
+    "teachers.vectors",
+    "teachers.ensemble",
+}
+KIND_WORDS = re.compile(r"^(static|openai/)|^static:|StaticEmbedding|Transformer$")
+KIND_HELPERS = {"is_static", "ENDPOINT_PREFIX", "STATIC_NAME", "StaticEmbedding", "as_model2vec", "one_table"}
+NAME_TESTS = {"startswith", "endswith", "removeprefix", "removesuffix", "split", "partition"}
+
+
+def kind_tests(source: str) -> list[int]:
+    """Lines that tell a kind by its name: a comparison, a membership test or a prefix test against a kind's name
+    ("static", "openai/..."), a class-name comparison (`type(x).__name__ == ...`), or a kind's own helper."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            parts = list(ast.walk(node))
+            named = any(isinstance(n, ast.Attribute) and n.attr == "__name__" for n in parts)
+            words = any(isinstance(n, ast.Constant) and KIND_WORDS.search(str(n.value)) for n in parts)
+            if named or words:
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in NAME_TESTS:
+            if any(isinstance(a, ast.Constant) and KIND_WORDS.search(str(a.value)) for a in node.args):
+                lines.append(node.lineno)
+        elif isinstance(node, (ast.Name, ast.alias)) and (getattr(node, "id", None) or node.name) in KIND_HELPERS:
+            lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_no_code_outside_the_kinds_tells_a_kind_by_its_name() -> None:
+    """The run, the config checks, the planner, export and the card ask the kind (distill/students/kinds.py,
+    distill/teachers/sources.py); only the kinds' own modules know their names."""
+    offenders = [
+        f"{module}:{number}: {_source(module).splitlines()[number - 1].strip()}"
+        for module in MODULES
+        if module not in KIND_MODULES
+        for number in kind_tests(_source(module))
+    ]
+    assert not offenders, "a kind told by its name outside its module:\n" + "\n".join(offenders)
+
+
+def test_the_kind_check_sees_every_form_of_a_name_test() -> None:
+    forms = [
+        "if name == 'static':\n    pass\n",
+        "if name.startswith('static:'):\n    pass\n",
+        "remote = teacher.startswith('openai/')\n",
+        "table = type(first).__name__ == 'StaticEmbedding'\n",
+        "from distill.students.static import is_static\n",
+        "if isinstance(module, StaticEmbedding):\n    pass\n",
+        "bare = name.removeprefix('openai/')\n",
+    ]
+    assert all(kind_tests(form) for form in forms), [form for form in forms if not kind_tests(form)]
+    assert kind_tests("kind = student_kind(name)\nif kind.projection_bias:\n    pass\n") == []
+
+
+def test_no_module_is_longer_than_its_limit() -> None:
+    long = [f"{module} ({len(_source(module).splitlines())} lines)" for module in MODULES]
+    long = [line for module, line in zip(MODULES, long) if len(_source(module).splitlines()) > LONGEST_MODULE]
+    assert not long, f"modules over {LONGEST_MODULE} lines:\n" + "\n".join(long)
+
+
+def alike(a: str, b: str) -> bool:
+    """Two names one reads as the same word: equal, or one another's plural or verb form (teacher and teachers,
+    evaluate and evaluation, plan and planner)."""
+    shorter, longer = sorted((a, b), key=len)
+    stem = shorter[:-1] if len(shorter) > 4 else shorter
+    return shorter == longer or longer.startswith(stem)
+
+
+def test_no_two_modules_or_packages_have_names_alike() -> None:
+    names = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = path.parent.name if path.stem == "__init__" else path.stem
+        if name != "__main__" and path.parent != PACKAGE.parent:
+            names.setdefault(name, set()).add(str(path.relative_to(PACKAGE)))
+    clashes = [f"{a}, {b}" for a in sorted(names) for b in sorted(names) if a < b and alike(a, b)]
+    assert not clashes, "names alike:\n" + "\n".join(clashes)
+    shared = {name: paths for name, paths in names.items() if len(paths) > 1 and name != PACKAGE.name}
+    assert not shared, f"one name, several modules: {shared}"
+    assert alike("teacher", "teachers") and alike("evaluate", "evaluation") and alike("plan", "planner")
+    assert not alike("data", "distributed") and not alike("store", "static")

@@ -15,7 +15,14 @@ from conftest import reset_accelerate, tiny_run_flags
 from distill import plan
 from distill.config import load_config
 from distill.files import folder_bytes
-from distill.plan import device_for, make_plan, model_shape
+from distill.hub import model_shape
+from distill.plan import command as plan_command
+from distill.plan import devices as plan_devices
+from distill.plan import figures as plan_figures
+from distill.plan import make_plan
+from distill.plan import render as plan_render
+from distill.plan import texts as plan_texts
+from distill.plan.devices import device_for
 
 
 def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -100,7 +107,7 @@ def test_phase_1s_own_target_encodes_phase_1s_texts_in_the_plan(tiny_models, tin
     assert both.cache_bytes - alone.cache_bytes == phase1 * 2 * (64 - 48)  # float16 vectors of the other width
     assert shapes["wide_student"].dense_parameters > shapes["teacher"].dense_parameters
     assert both.teacher_flops > alone.teacher_flops  # phase 1's texts through the larger model
-    assert f"phase 1's target: {shapes['wide_student'].parameters / 1e6:,.1f}M" in plan.plan_text(both)
+    assert f"phase 1's target: {shapes['wide_student'].parameters / 1e6:,.1f}M" in plan_render.plan_text(both)
 
 
 def test_more_processes_share_the_work_and_all_reduce_the_gradients(tiny_models, tiny_data, tmp_path):
@@ -112,7 +119,7 @@ def test_more_processes_share_the_work_and_all_reduce_the_gradients(tiny_models,
     projection = 32 * 48 + 48  # the tiny run trains a 32 -> 48 projection
     trainable = one.parameters["student"] - model_shape(tiny_models["student"]).frozen_parameters + projection
     assert two.allreduce_bytes_per_step == trainable * 4  # a ring moves 2 (n - 1) / n x the fp32 gradients
-    assert two.assumptions["interconnect_bytes_per_second"] == plan.INTER_MACHINE_BYTES_PER_S
+    assert two.assumptions["interconnect_bytes_per_second"] == plan_devices.INTER_MACHINE_BYTES_PER_S
 
 
 def test_measured_rates_replace_the_assumed_ones(tiny_models, tiny_data, tmp_path):
@@ -136,17 +143,17 @@ def test_scaled_counts_keep_the_lengths(tiny_models, tiny_data, tmp_path):
 
 def test_json_has_the_totals_and_bad_input_is_one_line(tiny_models, tiny_data, tmp_path, capsys):
     flags = tiny_run_flags(tiny_models, tiny_data, tmp_path)
-    assert plan.main([*flags, "--device", "h100", "--json"]) == 0
+    assert plan_command.main([*flags, "--device", "h100", "--json"]) == 0
     figures = json.loads(capsys.readouterr().out)
     assert {"teacher_seconds", "train_seconds", "cache_bytes"} <= set(figures)
-    assert plan.main([*flags, "--device", "h100"]) == 0
+    assert plan_command.main([*flags, "--device", "h100"]) == 0
     text = capsys.readouterr().out
     assert "the bill: " in text and "dominates" in text and "assumed: 40% / 8% of the bf16 dense peak" in text
-    assert plan.main([*flags, "--device", "tpu"]) == 2
+    assert plan_command.main([*flags, "--device", "tpu"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: --device: expected cpu or one of h100, h200, a100, l4, got 'tpu'"
     ]
-    assert plan.main([*flags, "--batch_size", "0", "--device", "h100"]) == 2
+    assert plan_command.main([*flags, "--batch_size", "0", "--device", "h100"]) == 2
     assert "batch_size: expected a number greater than 0" in capsys.readouterr().err
 
 
@@ -172,13 +179,14 @@ def test_the_cpu_rate_is_timed_here():
 def test_a_cpu_process_base_is_read_with_the_data_loaded(tiny_models, tiny_data, tmp_path, monkeypatch):
     """A run holds its data and tokenizers beside its models, so a CPU's base RSS is read after the planner has them;
     a GPU's memory holds neither, and its base stays 0."""
-    import distill.data
+    import distill.stages.data
 
     read = []
-    load_data = distill.data.load_data
-    monkeypatch.setattr(distill.data, "load_data", lambda *a, **k: read.append(1) or load_data(*a, **k))
-    monkeypatch.setattr(plan, "process_base_bytes", lambda: 2000 if read else 1000)
-    monkeypatch.setattr("distill.efficiency.cpu_matmul_flops", lambda: 1e11)
+    load_data = distill.stages.data.load_data
+    monkeypatch.setattr(distill.stages.data, "load_data", lambda *a, **k: read.append(1) or load_data(*a, **k))
+    for module in (plan, plan_devices):
+        monkeypatch.setattr(module, "process_base_bytes", lambda: 2000 if read else 1000)
+    monkeypatch.setattr("distill.stages.cost.cpu_matmul_flops", lambda: 1e11)
     config = load_config(tiny_run_flags(tiny_models, tiny_data, tmp_path / "out"))
     cpu = device_for("cpu", None, None)
     assert cpu.base_bytes == 1000  # before the data
@@ -197,7 +205,7 @@ def test_an_endpoint_teacher_is_planned_as_the_tokens_it_will_be_sent(tiny_model
     served = make_plan(load_config([*flags, "--teacher_model", "openai/big-model"]), device)
     assert served.teacher == "openai/big-model at https://api.openai.com/v1" and served.teacher_flops == 0
     assert served.texts == local.texts and served.parameters["teacher"] == 0
-    text = plan.plan_text(served)
+    text = plan_render.plan_text(served)
     sent = sum(tokens["teacher"] for tokens in served.tokens.values())
     assert f"tokens sent to the endpoint: {sent:,.0f}" in text and sent > 0
     assert served.assumptions["teacher_tokenizer"].startswith("the student's tokenizer")
@@ -234,12 +242,12 @@ def test_a_static_table_distilled_here_is_planned_as_one_pass_over_its_vocabular
     # within 10% (4.6% measured: torch's counter does not see the CPU's fused attention, which the plan counts)
     assert one.table_flops == pytest.approx(counter.get_total_flops(), rel=0.10)
     assert one.table_seconds == pytest.approx(one.table_flops / device.teacher_rate)
-    assert f"static table: {one.table_tokens:,} vocabulary tokens" in plan.plan_text(one)
+    assert f"static table: {one.table_tokens:,} vocabulary tokens" in plan_render.plan_text(one)
     four = make_plan(load_config([*flags, "--num_processes", "4"]), device, machines=2)  # two a machine
     assert four.table_seconds == pytest.approx(one.table_seconds / 2)
     transformer = make_plan(load_config(tiny_run_flags(tiny_models, tiny_data, tmp_path / "t")), device)
     assert (transformer.table_tokens, transformer.table_flops) == (0, 0.0)
-    assert "static table" not in plan.plan_text(transformer)
+    assert "static table" not in plan_render.plan_text(transformer)
     folder = tmp_path / "table"  # a model2vec folder: its table is there already
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "model2vec", "hidden_dim": 16}))
@@ -262,13 +270,15 @@ def test_a_static_students_teacher_is_planned_at_its_own_limit_and_the_table_at_
     flags = tiny_run_flags(tiny_models, tiny_data, tmp_path / "plan", phase1_data=texts, **static)
     at = flags.index("--max_seq_length")
     config = load_config(flags[:at] + flags[at + 2 :])
-    models = plan.model_shapes(config)
-    measured, _ = plan.measure_texts(config, plan.text_lists(config, True, False), models)
+    models = plan_figures.model_shapes(config)
+    measured, _ = plan_texts.measure_texts(config, plan_texts.text_lists(config, True, False), models)
     phase1 = next(t for t in measured if t.phase == "phase1")
     assert phase1.teacher_longest == 64 < phase1.student_longest  # [CLS] and [SEP] in the teacher's 64
     device = device_for("h100", None, None)
-    teacher_bytes = plan.memory(config, device, models.teachers[0], models.student, measured, 0)[0]
-    at_64 = plan.memory(config, device, models.teachers[0], models.student, [replace(phase1, student_longest=64)], 0)[0]
+    teacher_bytes = plan_figures.memory(config, device, models.teachers[0], models.student, measured, 0)[0]
+    at_64 = plan_figures.memory(
+        config, device, models.teachers[0], models.student, [replace(phase1, student_longest=64)], 0
+    )[0]
     assert teacher_bytes == at_64
 
 
@@ -277,10 +287,10 @@ def test_the_plan_says_what_does_not_fit_the_device_and_what_to_change(tiny_mode
     the sizes and the flag to change; a device with room for both gets none."""
     config = load_config(tiny_run_flags(tiny_models, tiny_data, tmp_path))
     figures = make_plan(config, device_for("h100", None, None))
-    assert "does not fit" not in plan.plan_text(figures)  # a tiny run on 80 GB
+    assert "does not fit" not in plan_render.plan_text(figures)  # a tiny run on 80 GB
     student, teacher = figures.student_memory_bytes, figures.teacher_memory_bytes
     small = min(student, teacher) - 1
-    lines = plan.plan_text(replace(figures, device_memory_bytes=small)).splitlines()
+    lines = plan_render.plan_text(replace(figures, device_memory_bytes=small)).splitlines()
     misfits = [line for line in lines if line.startswith("does not fit")]
     assert misfits == [
         f"does not fit: the student needs {student / 2**30:.0f} GiB of the device's {small / 2**30:.0f} GiB; "
@@ -289,8 +299,9 @@ def test_the_plan_says_what_does_not_fit_the_device_and_what_to_change(tiny_mode
         "lower --teacher_batch_size",
     ]
     between = replace(figures, device_memory_bytes=(student + teacher) / 2)  # room for the smaller one only
-    misfits = [line for line in plan.plan_text(between).splitlines() if line.startswith("does not fit")]
+    misfits = [line for line in plan_render.plan_text(between).splitlines() if line.startswith("does not fit")]
     assert len(misfits) == 1 and ("student" if student > teacher else "teacher") in misfits[0]
     assert not any(
-        line.startswith("does not fit") for line in plan.plan_text(replace(figures, device_memory_bytes=0)).splitlines()
+        line.startswith("does not fit")
+        for line in plan_render.plan_text(replace(figures, device_memory_bytes=0)).splitlines()
     )

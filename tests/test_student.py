@@ -14,21 +14,18 @@ from sentence_transformers import SentenceTransformer
 
 from conftest import sentences
 from distill.errors import DistillError
-from distill.student import (
+from distill.students.head import (
     DistillationModel,
     add_rotation,
     check_dimensions,
     embedding_dim,
-    enable_gradient_checkpointing,
-    evenly_spaced,
     least_squares_projection,
-    load_student,
     matryoshka_dims,
     orthogonal_procrustes,
     orthogonal_projection,
     pca_basis,
-    prune_layers,
 )
+from distill.students.transformer import enable_gradient_checkpointing, evenly_spaced, load_student, prune_layers
 
 
 def encoder_layers(model: SentenceTransformer) -> torch.nn.ModuleList:

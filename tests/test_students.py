@@ -16,8 +16,8 @@ import torch
 from conftest import sentences, tiny_run_flags
 from distill.config import load_config
 from distill.errors import DistillError
-from distill.students import is_static, is_static_model, texts_for
-from distill.students.static import StaticTexts, load_static_student, one_table, static_table
+from distill.students import kind_of
+from distill.students.static import STATIC, StaticTexts, is_static, load_static_student, one_table, static_table
 from distill.train import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,7 +31,7 @@ def static_student(tiny_models, tmp_path_factory):
 
 
 def test_a_static_student_is_a_table_and_a_normalize(static_student) -> None:
-    assert is_static_model(static_student) and texts_for(static_student) is StaticTexts
+    assert kind_of(static_student) is STATIC and kind_of(static_student).texts(static_student) is StaticTexts
     assert [type(m).__name__ for m in static_student] == ["StaticEmbedding", "Normalize"]
     assert static_student.get_sentence_embedding_dimension() == 16
     assert static_student[0].embedding.weight.dtype == torch.float32  # trained in float32, whatever model2vec kept
@@ -141,7 +141,7 @@ def test_a_named_tokenizers_vocabulary_is_run_through_the_model_as_text(tiny_mod
 
 
 def test_static_table_folds_the_linear_modules_after_it(static_student) -> None:
-    from distill.student import add_rotation
+    from distill.students.head import add_rotation
 
     rotation = torch.linalg.qr(torch.randn(16, 16, generator=torch.Generator().manual_seed(0)))[0]
     add_rotation(static_student, rotation)
@@ -166,7 +166,7 @@ def test_a_bias_after_the_tables_normalize_does_not_fold(static_student, tmp_pat
     when it is wider than its teacher has no bias."""
     from sentence_transformers import SentenceTransformer
 
-    from distill.student import least_squares_projection, linear_dense
+    from distill.students.head import least_squares_projection, linear_dense
 
     x, y = torch.randn(64, 16), torch.randn(64, 8)
     assert least_squares_projection(x, y, bias=False).linear.bias is None
@@ -281,22 +281,52 @@ def test_two_processes_distil_the_table_together_and_train_as_one_with_twice_the
     [
         (
             ["--student_dim", "64"],
-            r"student_dim: only a static student is distilled to a width; pass --student_model static",
+            r"student_dim: applies only to a static student; pass --student_model static or drop --student_dim",
         ),
         (
             ["--student_model", "static", "--student_num_layers", "3"],
-            r"student_num_layers: a static student has no layers",
+            r"student_num_layers: applies only to a transformer student; pass a transformer's name to --student_model",
         ),
-        (["--student_model", "static", "--gradient_checkpointing"], r"gradient_checkpointing: a static student has no"),
+        (
+            ["--student_model", "static", "--gradient_checkpointing"],
+            r"gradient_checkpointing: applies only to a transformer student",
+        ),
         (
             ["--student_tokenizer", "bert-base-uncased"],
-            r"student_tokenizer: only a static student distilled from a model takes another tokenizer's vocabulary",
+            r"student_tokenizer: applies only to a static student; pass --student_model static or drop",
         ),
     ],
 )
 def test_a_static_students_settings_that_do_not_apply_are_refused(argv: list[str], message: str) -> None:
     with pytest.raises(DistillError, match=message):
         load_config(["--teacher_model", "t", *argv])
+
+
+def test_a_model2vec_folder_keeps_its_table_refuses_what_would_change_it_and_its_card_says_what_was_done(
+    static_student, tiny_models, tiny_data, tmp_path
+) -> None:
+    """A table read from a folder keeps its width and vocabulary: --student_dim and --student_tokenizer are refused
+    with a hint that works, --student_num_layers as for any table; the run's card claims no cut layers."""
+    from distill.students.static import save_model2vec
+
+    folder = tmp_path / "table"
+    save_model2vec(static_student, folder, "a table")
+    named = ["--teacher_model", "t", "--student_model", str(folder)]
+    with pytest.raises(
+        DistillError,
+        match=r"^student_dim: applies only to a static table distilled here .*"
+        r"pass --student_model static or static:<model> to distil one or drop --student_dim$",
+    ):
+        load_config([*named, "--student_dim", "8"])
+    with pytest.raises(DistillError, match=r"^student_tokenizer: applies only to a static table distilled here"):
+        load_config([*named, "--student_tokenizer", str(tiny_models["teacher"])])
+    with pytest.raises(DistillError, match=r"^student_num_layers: applies only to a transformer student; [^;]*$"):
+        load_config([*named, "--student_num_layers", "3"])
+    out = tmp_path / "from-folder"
+    table = {"student_model": folder, "use_projection": False, "save_to_artifacts": True, "skip_phase2": True}
+    assert main(tiny_run_flags(tiny_models, tiny_data, out, **table)) == 0
+    card = (out / "artifacts" / "model" / "README.md").read_text()
+    assert f"into `{folder}` (16-d" in card and "layers" not in card.split("## Distillation")[1].split("###")[0]
 
 
 def test_static_needs_a_model_to_distil_when_the_teacher_is_not_one(tmp_path: Path) -> None:
@@ -375,15 +405,15 @@ def test_unpadded_batches_equal_padded_ones_forward_and_backward(tiny_models, tm
     batch's sentence vectors and gradients within float32 rounding; padded batches still work after the switch, and
     the saved folder names no custom attention."""
     from distill.batching import FlatTexts, TokenizedTexts
-    from distill.student import load_student
     from distill.students.attention import use_unpadded_batches
+    from distill.students.transformer import load_student
 
     texts = sentences(12, seed=3)
     padded_student = load_student(str(tiny_models["student"]), attention_dropout=0.0)
     flat_student = load_student(str(tiny_models["student"]), attention_dropout=0.0)
-    assert use_unpadded_batches(flat_student) and texts_for(flat_student) is not TokenizedTexts
+    assert use_unpadded_batches(flat_student) and kind_of(flat_student).texts(flat_student) is not TokenizedTexts
     padded = TokenizedTexts(padded_student.tokenizer, texts, 32)
-    flat = texts_for(flat_student)(flat_student.tokenizer, texts, 32)
+    flat = kind_of(flat_student).texts(flat_student)(flat_student.tokenizer, texts, 32)
     assert isinstance(flat, FlatTexts) and flat.lengths.min() < flat.lengths.max()  # the batch has padding to drop
     rows = list(range(len(texts)))
     features = flat.features(rows)
@@ -418,7 +448,7 @@ def test_a_run_on_unpadded_batches_follows_the_padded_run(tiny_models, tiny_data
     so it is forced here): every loss and the exported weights follow the padded run's."""
     from safetensors.torch import load_file
 
-    import distill.student
+    import distill.students.transformer
     from distill.batching import FlatTexts
     from distill.students.attention import use_unpadded_batches
     from tests.conftest import reset_accelerate
@@ -432,14 +462,14 @@ def test_a_run_on_unpadded_batches_follows_the_padded_run(tiny_models, tiny_data
         return json.loads((out / "results.json").read_text())
 
     padded = run(tmp_path / "padded")
-    load_student = distill.student.load_student
+    load_student = distill.students.transformer.load_student
 
     def unpadded(*args, **kwargs):
         student = load_student(*args, **kwargs)
         assert use_unpadded_batches(student)
         return student
 
-    monkeypatch.setattr(distill.student, "load_student", unpadded)
+    monkeypatch.setattr(distill.students.transformer, "load_student", unpadded)
     batches = []
     features = FlatTexts.features
     monkeypatch.setattr(FlatTexts, "features", lambda self, rows: batches.append(rows) or features(self, rows))
@@ -458,7 +488,7 @@ def test_a_run_on_unpadded_batches_follows_the_padded_run(tiny_models, tiny_data
 
 def tiny_backbone(tiny_models, **config_fields):
     """The tiny BERT student's transformers model, with `config_fields` set on its config."""
-    from distill.student import load_student
+    from distill.students.transformer import load_student
 
     backbone = load_student(str(tiny_models["student"]))[0].auto_model
     for name, value in config_fields.items():
@@ -508,18 +538,18 @@ def test_choose_attention_switches_the_student_only_when_the_decision_says_so(ti
     """On this CPU the student stays padded; with a capable GPU faked, it is switched to unpadded batches and
     the decision is kept on it for results.json."""
     from distill.batching import FlatTexts, TokenizedTexts
-    from distill.student import load_student
     from distill.students import attention
+    from distill.students.transformer import load_student
 
     student = load_student(str(tiny_models["student"]))
     path = attention.choose_attention(student, torch.device("cpu"), "bf16")
-    assert not path.unpadded and texts_for(student) is TokenizedTexts and student.attention_path == path
+    assert not path.unpadded and kind_of(student).texts(student) is TokenizedTexts and student.attention_path == path
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(attention, "has_varlen", lambda: True)
     assert not attention.choose_attention(student, torch.device("cuda"), "no").unpadded
     path = attention.choose_attention(student, torch.device("cuda"), "bf16")
     assert path.unpadded and student.attention_path.to_dict() == {"unpadded": True, "reason": path.reason}
-    assert texts_for(student).func is FlatTexts
+    assert kind_of(student).texts(student).func is FlatTexts
 
 
 def test_has_varlen_reads_the_installed_torchs_signature(monkeypatch):

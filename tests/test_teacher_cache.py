@@ -17,21 +17,23 @@ import torch
 from accelerate import Accelerator
 
 import distill.cache as cache_module
-import distill.teacher as teacher_module
+import distill.stages.negatives as negatives_module
+import distill.stages.targets as teacher_module
+import distill.store as store_module
 import distill.teachers.local as local_module
-from conftest import build_tiny_decoder, sentences
-from distill.cache import CACHE_FORMAT
-from distill.config import ModelConfig
+from conftest import build_tiny_decoder, sentences, teacher_spec
 from distill.errors import DistillError
-from distill.teacher import TeacherCache, texts_fingerprint
+from distill.stages.targets import TeacherCache, teacher_context, texts_fingerprint
+from distill.store import CACHE_FORMAT
 from distill.teachers.local import LocalTeacher, TeacherSpec
 
 
 def make_cache(
     accelerator: Accelerator, model: Path, cache_dir: Path, *, prompt: str | None = None, max_len: int | None = None
 ) -> TeacherCache:
-    config = ModelConfig(teacher_model=str(model), teacher_query_prompt=prompt, max_seq_length=max_len)
-    spec = TeacherSpec.from_config(config, accelerator.device)
+    spec = teacher_spec(
+        accelerator.device, teacher_model=str(model), teacher_query_prompt=prompt, max_seq_length=max_len
+    )
     return TeacherCache(accelerator, LocalTeacher(spec), cache_dir, batch_size=8)
 
 
@@ -274,12 +276,10 @@ def test_default_prompt_comes_from_the_teacher_config(accelerator: Accelerator, 
     folder = tmp_path / "prompted"
     folder.mkdir()
     (folder / "config_sentence_transformers.json").write_text(json.dumps({"prompts": {"query": "Query: "}}))
-    spec = TeacherSpec.from_config(ModelConfig(teacher_model=str(folder)), accelerator.device)
+    spec = teacher_spec(accelerator.device, teacher_model=str(folder))
     assert spec.query_prompt == "Query: "
     assert spec.compute_dtype == "float32"
-    explicit = TeacherSpec.from_config(
-        ModelConfig(teacher_model=str(folder), teacher_query_prompt=""), accelerator.device
-    )
+    explicit = teacher_spec(accelerator.device, teacher_model=str(folder), teacher_query_prompt="")
     assert explicit.query_prompt == ""
 
 
@@ -288,16 +288,14 @@ def test_teacher_token_limit_defaults_to_the_students_and_can_be_set_alone(
 ) -> None:
     folder = tmp_path / "teacher"
     folder.mkdir()
-    shared = TeacherSpec.from_config(ModelConfig(teacher_model=str(folder), max_seq_length=64), accelerator.device)
+    shared = teacher_spec(accelerator.device, teacher_model=str(folder), max_seq_length=64)
     assert shared.max_seq_length == 64
-    alone = TeacherSpec.from_config(
-        ModelConfig(teacher_model=str(folder), max_seq_length=64, teacher_max_seq_length=256), accelerator.device
-    )
+    alone = teacher_spec(accelerator.device, teacher_model=str(folder), max_seq_length=64, teacher_max_seq_length=256)
     assert alone.max_seq_length == 256  # the teacher reads 256 tokens, the student still 64
     # a static table has no limit, asked of no hub: the teacher reads up to its own
     for student in ("static", "static:org/model"):
-        config = ModelConfig(teacher_model=str(folder), student_model=student)
-        assert TeacherSpec.from_config(config, accelerator.device).max_seq_length is None
+        spec = teacher_spec(accelerator.device, teacher_model=str(folder), student_model=student)
+        assert spec.max_seq_length is None
     # a different limit means different vectors: a different cache entry
     cache_a = TeacherCache(accelerator, LocalTeacher(shared), tmp_path / "cache", batch_size=8)
     cache_b = TeacherCache(accelerator, LocalTeacher(alone), tmp_path / "cache", batch_size=8)
@@ -306,7 +304,7 @@ def test_teacher_token_limit_defaults_to_the_students_and_can_be_set_alone(
 
 
 def test_mined_negatives_are_the_teachers_top_other_passages() -> None:
-    from distill.teacher import mine_hard_negatives
+    from distill.stages.negatives import mine_hard_negatives
 
     passages = np.eye(6, 8, dtype=np.float32)  # orthonormal: a passage scores 0 against every other
     queries = passages.copy()  # each query is its own positive, exactly
@@ -323,7 +321,7 @@ def test_mined_negatives_are_the_teachers_top_other_passages() -> None:
 
 
 def test_mining_skips_near_duplicates_of_the_positive_and_needs_enough_passages() -> None:
-    from distill.teacher import mine_hard_negatives
+    from distill.stages.negatives import mine_hard_negatives
 
     passages = np.eye(4, dtype=np.float32)
     passages[1] = passages[0]  # passage 1 duplicates query 0's positive: a likely unlabelled positive
@@ -338,7 +336,7 @@ def test_mining_never_returns_the_positive_or_a_copy_of_it(
 ) -> None:
     """A query with too few passages below the margin makes up its count with the highest-scoring skipped ones, never
     its own positive, and a warning counts such queries."""
-    from distill.teacher import mine_hard_negatives
+    from distill.stages.negatives import mine_hard_negatives
 
     passages = np.eye(4, dtype=np.float32)
     passages[1] = passages[2] = passages[0]  # three pairs share one passage text
@@ -355,7 +353,7 @@ def test_mining_never_returns_the_positive_or_a_copy_of_it(
 def test_mining_skips_copies_of_the_positive_whatever_the_sign_of_its_score(accelerator: Accelerator) -> None:
     """A copy of the positive is never a negative, even where the positive's score is negative and (1 - margin) x it
     lies above it."""
-    from distill.teacher import mine_hard_negatives
+    from distill.stages.negatives import mine_hard_negatives
 
     passages = np.eye(5, dtype=np.float32)
     passages[1] = passages[0]  # a copy of query 0's positive
@@ -371,7 +369,7 @@ def test_mining_skips_copies_of_the_positive_whatever_the_sign_of_its_score(acce
 
 
 def test_mining_takes_a_text_shared_by_several_pairs_once() -> None:
-    from distill.teacher import mine_hard_negatives
+    from distill.stages.negatives import mine_hard_negatives
 
     passages = np.eye(6, dtype=np.float32)
     passages[2] = passages[1]  # pairs 1 and 2 share a passage
@@ -474,7 +472,7 @@ class Killed(BaseException):
 
 def interrupt_after_blocks(monkeypatch: pytest.MonkeyPatch, blocks: int) -> list[int]:
     """map_sharded in the teacher raises Killed once `blocks` blocks are encoded; returns the blocks' sizes."""
-    from distill.batching import map_sharded as real_map  # not an earlier spy
+    from distill.sharding import map_sharded as real_map  # not an earlier spy
 
     sizes: list[int] = []
 
@@ -570,12 +568,12 @@ def test_a_second_run_encoding_the_same_texts_stages_apart(
     cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache")
     texts = sentences(5, seed=1)
     entry, key = tmp_path / "cache" / cache.key(texts, "document"), cache.key(texts, "document")
-    first = cache_module.CacheWriter(entry, key, 5, "document", cache.source)
-    second = cache_module.CacheWriter(entry, key, 5, "document", cache.source)
+    first = store_module.CacheWriter(entry, key, 5, "document", cache.source)
+    second = store_module.CacheWriter(entry, key, 5, "document", cache.source)
     assert ".partial-" in first.staging.name and ".tmp-" in second.staging.name
     first.close()
     second.close()
-    third = cache_module.CacheWriter(entry, key, 5, "document", cache.source)  # the lock is free again
+    third = store_module.CacheWriter(entry, key, 5, "document", cache.source)  # the lock is free again
     assert ".partial-" in third.staging.name
     third.close()
 
@@ -584,9 +582,11 @@ CONTINUE_ON_TWO_PROCESSES = """
 import json, sys
 from pathlib import Path
 from accelerate import Accelerator
-import distill.teacher as teacher_module
+import distill.stages.targets as teacher_module
+import distill.stages.negatives as negatives_module
 import distill.teachers.local as local_module
-from distill.config import ModelConfig
+from distill.config import TeacherConfig
+from distill.teachers import TeacherContext
 
 model, cache_dir, texts_file, out = sys.argv[1:5]
 teacher_module.BLOCK_ROWS_PER_PROCESS = 4
@@ -598,7 +598,7 @@ def spy(accelerator, lengths, *args, **kwargs):
     return real_map(accelerator, lengths, *args, **kwargs)
 
 teacher_module.map_sharded = spy
-spec = local_module.TeacherSpec.from_config(ModelConfig(teacher_model=model), accelerator.device)
+spec = local_module.TeacherSpec.from_config(TeacherConfig(teacher_model=model), TeacherContext(accelerator.device))
 cache = teacher_module.TeacherCache(accelerator, local_module.LocalTeacher(spec), cache_dir, batch_size=8)
 cache.embeddings(json.loads(Path(texts_file).read_text()), "document")
 Path(f"{out}.{accelerator.process_index}").write_text(json.dumps([accelerator.num_processes, blocks]))
@@ -638,7 +638,7 @@ def test_document_prompt_is_applied_and_keyed(
 ) -> None:
     """The teacher's own document prompt (encode_document's order: document, passage, corpus) reaches documents."""
     teacher = prompted_teacher(tiny_models, tmp_path / "e5", {"query": "query: ", "passage": "passage: "})
-    spec = TeacherSpec.from_config(ModelConfig(teacher_model=str(teacher)), accelerator.device)
+    spec = teacher_spec(accelerator.device, teacher_model=str(teacher))
     assert (spec.query_prompt, spec.document_prompt) == ("query: ", "passage: ")
     cache = TeacherCache(accelerator, LocalTeacher(spec), tmp_path / "cache", batch_size=8)
     texts = sentences(9, seed=2)
@@ -646,9 +646,7 @@ def test_document_prompt_is_applied_and_keyed(
     np.testing.assert_allclose(documents, reference_embeddings(teacher, texts, "passage: "), atol=2e-3)
     manifest = json.loads((tmp_path / "cache" / cache.key(texts, "document") / "manifest.json").read_text())
     assert manifest["prompt"] == "passage: "
-    unprompted = TeacherSpec.from_config(
-        ModelConfig(teacher_model=str(teacher), teacher_document_prompt=""), accelerator.device
-    )
+    unprompted = teacher_spec(accelerator.device, teacher_model=str(teacher), teacher_document_prompt="")
     assert unprompted.document_prompt == ""
     other = TeacherCache(accelerator, LocalTeacher(unprompted), tmp_path / "cache", batch_size=8)
     assert other.key(texts, "document") != cache.key(texts, "document")
@@ -676,9 +674,9 @@ def test_a_teacher_without_a_query_prompt_but_with_task_prompts_is_an_error(
         match=r"declares the prompts sts_query, web_search_query but none named 'query'.*"
         r"pass --teacher_query_prompt",
     ):
-        TeacherSpec.from_config(ModelConfig(teacher_model=str(teacher)), accelerator.device)
-    named = ModelConfig(teacher_model=str(teacher), teacher_query_prompt="web_search_query")
-    assert TeacherSpec.from_config(named, accelerator.device).query_prompt == prompts["web_search_query"]
+        teacher_spec(accelerator.device, teacher_model=str(teacher))
+    named = teacher_spec(accelerator.device, teacher_model=str(teacher), teacher_query_prompt="web_search_query")
+    assert named.query_prompt == prompts["web_search_query"]
 
 
 def test_hub_prompts_are_read_at_the_teachers_revision(
@@ -741,12 +739,12 @@ def test_teacher_token_limit_defaults_to_the_students_own(
     student = tmp_path / "student"
     student.mkdir()
     (student / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 24}))
-    config = ModelConfig(teacher_model=str(tiny_models["teacher"]), student_model=str(student))
-    assert TeacherSpec.from_config(config, accelerator.device).max_seq_length == 24
-    config.max_seq_length = 40
-    assert TeacherSpec.from_config(config, accelerator.device).max_seq_length == 40
-    unknown = ModelConfig(teacher_model=str(tiny_models["teacher"]), student_model="nobody/no-such-student")
-    assert TeacherSpec.from_config(unknown, accelerator.device).max_seq_length is None  # the teacher's own
+    teacher = str(tiny_models["teacher"])
+    assert teacher_spec(accelerator.device, teacher_model=teacher, student_model=str(student)).max_seq_length == 24
+    given = teacher_spec(accelerator.device, teacher_model=teacher, student_model=str(student), max_seq_length=40)
+    assert given.max_seq_length == 40
+    unknown = teacher_spec(accelerator.device, teacher_model=teacher, student_model="nobody/no-such-student")
+    assert unknown.max_seq_length is None  # the teacher's own
 
 
 def test_embedded_demo_cache_keys_keep_their_token_limit_and_prompts(accelerator: Accelerator) -> None:
@@ -755,8 +753,8 @@ def test_embedded_demo_cache_keys_keep_their_token_limit_and_prompts(accelerator
 
     demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
     config = load_config(["--config", str(demo)])
-    assert config.model.max_seq_length == 128
-    spec = TeacherSpec.from_config(config.model, accelerator.device)
+    assert config.student.max_seq_length == 128
+    spec = TeacherSpec.from_config(config.teacher, teacher_context(config, accelerator.device))
     assert (spec.max_seq_length, spec.query_prompt, spec.document_prompt) == (128, "", "")
 
 
@@ -794,9 +792,11 @@ from datetime import timedelta
 from pathlib import Path
 from accelerate import Accelerator, InitProcessGroupKwargs
 import distill.hub as hub
-import distill.teacher as teacher_module
+import distill.stages.targets as teacher_module
+import distill.stages.negatives as negatives_module
 import distill.teachers.local as local_module
-from distill.config import ModelConfig
+from distill.config import TeacherConfig
+from distill.teachers import TeacherContext
 
 model, cache_dir, texts_file, out = sys.argv[1:5]
 accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=40))])
@@ -818,7 +818,7 @@ def read_entry(*args):
     return real_read(*args)
 
 teacher_module.read_entry = read_entry
-spec = local_module.TeacherSpec.from_config(ModelConfig(teacher_model=model), accelerator.device)
+spec = local_module.TeacherSpec.from_config(TeacherConfig(teacher_model=model), TeacherContext(accelerator.device))
 cache = teacher_module.TeacherCache(accelerator, local_module.LocalTeacher(spec), cache_dir, batch_size=8)
 vectors = cache.embeddings(json.loads(Path(texts_file).read_text()), "document")
 Path(f"{out}.{accelerator.process_index}").write_text(json.dumps([cache.loaded, vectors.tolist(), len(hashed)]))
@@ -960,10 +960,8 @@ def test_a_teacher_saved_in_half_precision_computes_in_the_chosen_dtype(
     assert {parameter.dtype for parameter in cache.source.model.parameters()} == {torch.float32}
     np.testing.assert_allclose(vectors, expected, atol=2e-3)
 
-    config = ModelConfig(teacher_model=str(teacher), teacher_dtype="bfloat16")
-    in_bf16 = TeacherCache(
-        accelerator, LocalTeacher(TeacherSpec.from_config(config, accelerator.device)), tmp_path / "cache", 8
-    )
+    spec = teacher_spec(accelerator.device, teacher_model=str(teacher), teacher_dtype="bfloat16")
+    in_bf16 = TeacherCache(accelerator, LocalTeacher(spec), tmp_path / "cache", 8)
     half_vectors = in_bf16.embeddings(texts, "document")
     assert {parameter.dtype for parameter in in_bf16.source.model.parameters()} == {torch.bfloat16}
     assert len(committed_entries(tmp_path / "cache")) == 2  # its own entry: the dtype is part of the key
@@ -975,14 +973,16 @@ import json, sys
 from datetime import timedelta
 from pathlib import Path
 from accelerate import Accelerator, InitProcessGroupKwargs
-import distill.teacher as teacher_module
+import distill.stages.targets as teacher_module
+import distill.stages.negatives as negatives_module
 import distill.teachers.local as local_module
-from distill.config import ModelConfig
+from distill.config import TeacherConfig
+from distill.teachers import TeacherContext
 from distill.errors import DistillError
 
 model, cache_dir, texts_file, out = sys.argv[1:5]
 accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=40))])
-spec = local_module.TeacherSpec.from_config(ModelConfig(teacher_model=model), accelerator.device)
+spec = local_module.TeacherSpec.from_config(TeacherConfig(teacher_model=model), TeacherContext(accelerator.device))
 cache = teacher_module.TeacherCache(accelerator, local_module.LocalTeacher(spec), cache_dir, batch_size=4)
 try:
     cache.embeddings(json.loads(Path(texts_file).read_text()), "document")
@@ -1020,7 +1020,7 @@ def test_mining_a_chunk_of_passages_at_a_time_gives_the_whole_search(accelerator
     """The running top-k over chunks of 7 passages (memory bounded whatever the pair count) mines what one search
     over all 200 does, margin, shared texts and made-up counts included; any share of the queries mines its own
     rows as the whole does; the relaxed flags agree too."""
-    from distill.teacher import mine_rows
+    from distill.stages.negatives import mine_rows
 
     rng = np.random.default_rng(3)
     passages = rng.standard_normal((200, 16)).astype(np.float32)
@@ -1051,21 +1051,19 @@ def test_mining_a_chunk_of_passages_at_a_time_gives_the_whole_search(accelerator
 
 MINING_DRIVER = """
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 from accelerate import Accelerator
 
-from distill.teacher import mined_negatives
+from distill.stages.negatives import mined_negatives
 
 accelerator = Accelerator(cpu=True)
 assert accelerator.num_processes == 2  # one gloo group, each process mining its share
 rng = np.random.default_rng(5)
 vectors = rng.standard_normal((37, 8)).astype(np.float16)  # 37 pairs: the second process's share is padded
 texts = [f"passage {i % 30}" for i in range(37)]  # some texts shared by two pairs
-config = SimpleNamespace(data=SimpleNamespace(mine_hard_negatives=3))
-mined = mined_negatives(accelerator, config, texts, vectors, vectors)
+mined = mined_negatives(accelerator, 3, texts, vectors, vectors)
 np.save(f"{sys.argv[4]}.{accelerator.process_index}.npy", mined)
 accelerator.wait_for_everyone()
 torch.distributed.destroy_process_group()  # gloo's threads stopped before the interpreter exits, not during
@@ -1083,9 +1081,9 @@ def test_two_processes_mine_their_shares_and_each_ends_with_every_queries_negati
     vectors = rng.standard_normal((37, 8)).astype(np.float16)
     texts = [f"passage {i % 30}" for i in range(37)]
     PartialState(cpu=True)
-    one = teacher_module.mined_negatives(
+    one = negatives_module.mined_negatives(
         SimpleNamespace(device="cpu", num_processes=1, split_between_processes=PartialState().split_between_processes),
-        SimpleNamespace(data=SimpleNamespace(mine_hard_negatives=3)),
+        3,
         texts,
         vectors,
         vectors,

@@ -19,13 +19,13 @@ from accelerate import Accelerator
 from embeddings_server import EmbeddingsServer, FaultProxy
 from safetensors.torch import load_file
 
-import distill.teacher as teacher_module
+import distill.stages.targets as teacher_module
 import distill.teachers.endpoint as endpoint_module
-from conftest import sentences, tiny_run_flags
-from distill.config import ModelConfig, load_config
+from conftest import sentences, teacher_spec, tiny_run_flags
+from distill.config import load_config
 from distill.errors import DistillError
 from distill.hub import resolve_model
-from distill.teacher import TeacherCache
+from distill.stages.targets import TeacherCache, teacher_context
 from distill.teachers.endpoint import EndpointTeacher
 from distill.teachers.local import LocalTeacher, TeacherSpec
 from distill.teachers.vectors import VectorsTeacher, read_vectors
@@ -53,7 +53,7 @@ def endpoint_cache(accelerator: Accelerator, url: str, key_env: str, cache_dir: 
 
 
 def local_vectors(accelerator: Accelerator, model: Path, texts: list[str], cache_dir: Path) -> np.ndarray:
-    spec = TeacherSpec.from_config(ModelConfig(teacher_model=str(model)), accelerator.device)
+    spec = teacher_spec(accelerator.device, teacher_model=str(model))
     return np.asarray(TeacherCache(accelerator, LocalTeacher(spec), cache_dir, 8).embeddings(texts, "document"))
 
 
@@ -145,8 +145,8 @@ def test_teacher_dimensions_are_asked_for_and_key_the_cache(accelerator, tiny_se
     config = load_config(
         ["--teacher_model", "openai/tiny-teacher", "--teacher_base_url", tiny_server.url, "--teacher_api_key_env", key]
         + ["--student_model", "s", "--use_projection", "True", "--teacher_dimensions", "16"]
-    ).model
-    teacher = EndpointTeacher.from_config(config)
+    ).teacher
+    teacher = EndpointTeacher.from_config("openai/tiny-teacher", config)
     assert teacher.dimensions == 16
     narrow = TeacherCache(accelerator, teacher, tmp_path / "cache", 8)
     asked = len(tiny_server.requests)  # the module's server: earlier tests' requests come first
@@ -302,7 +302,7 @@ def test_a_vectors_teacher_serves_its_file_and_names_what_it_lacks(accelerator, 
     with pytest.raises(DistillError, match=rf"^teacher_vectors: 5 of the 30 query texts of this run are not in {path}"):
         caches(VectorsTeacher(str(path), caches)).embeddings(texts, "query")
     # with a model to fill them, the model encodes the 5 it lacks, cached under its own key
-    spec = TeacherSpec.from_config(ModelConfig(teacher_model=str(tiny_models["teacher"])), accelerator.device)
+    spec = teacher_spec(accelerator.device, teacher_model=str(tiny_models["teacher"]))
     filled = caches(VectorsTeacher(str(path), caches, fill=LocalTeacher(spec))).embeddings(texts, "query")
     np.testing.assert_allclose(np.asarray(filled, np.float32), local, atol=1e-3)
 
@@ -313,12 +313,12 @@ def test_a_run_on_vectors_alone_trains_as_the_model_that_made_them(tiny_models, 
     common = {"max_samples_phase1": 48, "max_samples_phase2": 32, "save_to_artifacts": True, "efficiency_texts": 0}
     assert main(tiny_run_flags(tiny_models, tiny_data, model_out, **common)) == 0
     config = load_config(tiny_run_flags(tiny_models, tiny_data, model_out, **common))
-    from distill.data import load_data, passage_texts
+    from distill.stages.data import load_data, passage_texts
 
     data = load_data(config.data, config.training.seed)
     all_texts = data.phase1_texts + data.phase2.queries + passage_texts(data.phase2)[0]
     all_texts += data.evaluation.queries + data.evaluation.corpus
-    spec = TeacherSpec.from_config(config.model, torch.device("cpu"))
+    spec = TeacherSpec.from_config(config.teacher, teacher_context(config, torch.device("cpu")))
     accelerator = Accelerator(cpu=True)
     unique = list(dict.fromkeys(all_texts))
     encoded = local_vectors(accelerator, tiny_models["teacher"], unique, tmp_path / "encode")
@@ -344,9 +344,7 @@ def test_two_teachers_combine_as_their_weighted_unit_vectors_each_cached_on_its_
         return TeacherCache(accelerator, source, tmp_path / "cache", batch_size=8)
 
     def local(name: str) -> LocalTeacher:
-        return LocalTeacher(
-            TeacherSpec.from_config(ModelConfig(teacher_model=str(tiny_models[name])), accelerator.device)
-        )
+        return LocalTeacher(teacher_spec(accelerator.device, teacher_model=str(tiny_models[name])))
 
     texts = sentences(20, seed=4)
     first = local_vectors(accelerator, tiny_models["teacher"], texts, tmp_path / "a").astype(np.float32)

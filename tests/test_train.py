@@ -25,9 +25,9 @@ from sentence_transformers.sentence_transformer.evaluation import (
 from conftest import build_tiny_decoder, reset_accelerate, shared_folder, tiny_run_flags
 from distill.allocator import find_tcmalloc, heap_allocator
 from distill.config import load_config
-from distill.data import load_data
-from distill.efficiency import trade_off_line
 from distill.errors import DistillError
+from distill.stages.cost import trade_off_line
+from distill.stages.data import load_data
 from distill.train import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -243,7 +243,7 @@ def test_phase1_teacher_model_sets_phase_1s_target_and_leaves_the_teacher_to_pha
     """The student pruned from its source (4 -> 2 layers) is aligned to the source in phase 1, and learns the teacher's
     similarities in phase 2; each phase reads its targets in its own model's basis; a warm run loads neither model."""
     from distill.phases import Phase
-    from distill.teacher import TeacherCache
+    from distill.stages.targets import TeacherCache
 
     encoded, bases = [], {}
     embeddings, use_student = TeacherCache.embeddings, Phase.use_student
@@ -470,11 +470,11 @@ def short_evaluated_flags(tiny_models, tiny_data, out: Path, **options) -> list[
 
 def rising_ndcg(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     """Each student evaluation scores a higher nDCG@10 than the last (the real metrics otherwise); returns them all."""
-    import distill.evaluation
     import distill.pipeline
+    import distill.stages.scoring
 
     made = []
-    evaluate = distill.evaluation.evaluate_student
+    evaluate = distill.stages.scoring.evaluate_student
 
     def rising(*args, **kwargs):
         metrics = {**evaluate(*args, **kwargs), "ndcg@10": float(len(made))}
@@ -482,7 +482,7 @@ def rising_ndcg(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
         return metrics
 
     monkeypatch.setattr(distill.pipeline, "evaluate_student", rising)  # the untrained student
-    monkeypatch.setattr(distill.evaluation, "evaluate_student", rising)  # the phases' evaluations
+    monkeypatch.setattr(distill.stages.scoring, "evaluate_student", rising)  # the phases' evaluations
     return made
 
 
@@ -542,9 +542,9 @@ def test_train_seconds_leave_out_evaluations_and_checkpoints(tiny_models, tiny_d
     """
     import time
 
-    import distill.evaluation
     import distill.loop
     import distill.pipeline
+    import distill.stages.scoring
 
     pauses = []
 
@@ -556,9 +556,9 @@ def test_train_seconds_leave_out_evaluations_and_checkpoints(tiny_models, tiny_d
 
         return slow
 
-    slow_evaluation = slower(distill.evaluation.evaluate_student)
+    slow_evaluation = slower(distill.stages.scoring.evaluate_student)
     monkeypatch.setattr(distill.pipeline, "evaluate_student", slow_evaluation)
-    monkeypatch.setattr(distill.evaluation, "evaluate_student", slow_evaluation)
+    monkeypatch.setattr(distill.stages.scoring, "evaluate_student", slow_evaluation)
     monkeypatch.setattr(distill.loop, "save_checkpoint", slower(distill.loop.save_checkpoint))
     out = tmp_path / "timed"
     flags = short_evaluated_flags(tiny_models, tiny_data, out, eval_steps=2, checkpoint_steps=2, skip_phase2=True)
@@ -570,11 +570,12 @@ def test_train_seconds_leave_out_evaluations_and_checkpoints(tiny_models, tiny_d
 
 
 def test_mined_hard_negatives_join_phase_two_without_re_encoding(tiny_models, tiny_data, tmp_path, monkeypatch):
-    import distill.teacher as teacher_module
+    import distill.stages.negatives as negatives_module
+    import distill.stages.targets as teacher_module
 
     devices, events = [], []
 
-    def mine(*args, real=teacher_module.mine_rows, **kwargs):
+    def mine(*args, real=negatives_module.mine_rows, **kwargs):
         devices.append(kwargs.get("device"))
         events.append("mine")
         return real(*args, **kwargs)
@@ -583,7 +584,7 @@ def test_mined_hard_negatives_join_phase_two_without_re_encoding(tiny_models, ti
         events.append("release teacher")
         return real(cache)
 
-    monkeypatch.setattr(teacher_module, "mine_rows", mine)
+    monkeypatch.setattr(negatives_module, "mine_rows", mine)
     monkeypatch.setattr(teacher_module.TeacherCache, "release", release)
     out = tmp_path / "mined"
     pairs = tmp_path / "pairs.jsonl"  # the tiny pairs without their negative column
@@ -602,7 +603,7 @@ def test_mined_hard_negatives_join_phase_two_without_re_encoding(tiny_models, ti
 
 
 def test_mining_that_runs_out_of_device_memory_goes_on_on_the_cpu(monkeypatch):
-    import distill.teacher as teacher_module
+    import distill.stages.negatives as teacher_module
 
     devices = []
 
@@ -615,17 +616,16 @@ def test_mining_that_runs_out_of_device_memory_goes_on_on_the_cpu(monkeypatch):
     monkeypatch.setattr(teacher_module, "mine_rows", mine)
     state = PartialState(cpu=True)  # the warning goes through Accelerate's logger
     vectors = torch.nn.functional.normalize(torch.randn(12, 8), dim=1).numpy().astype(np.float16)
-    config = SimpleNamespace(data=SimpleNamespace(mine_hard_negatives=3))
     texts = [f"passage {i}" for i in range(12)]
     gpu = SimpleNamespace(device="cuda:0", num_processes=1, split_between_processes=state.split_between_processes)
-    mined = teacher_module.mined_negatives(gpu, config, texts, vectors, vectors)
+    mined = teacher_module.mined_negatives(gpu, 3, texts, vectors, vectors)
     assert devices == ["cuda:0", "cpu"]
     assert mined.shape == (12, 3) and not (mined == np.arange(12)[:, None]).any()  # never the own positive
 
 
 def test_teacher_batch_size_sets_the_teachers_batches_only(tiny_models, tiny_data, tmp_path, monkeypatch):
-    import distill.student as student_module
-    import distill.teacher as teacher_module
+    import distill.stages.initialise as student_module
+    import distill.stages.targets as teacher_module
 
     sizes: dict[str, set[int]] = {"teacher": set(), "student": set()}
     for name, module in (("teacher", teacher_module), ("student", student_module)):
@@ -642,8 +642,9 @@ def test_teacher_batch_size_sets_the_teachers_batches_only(tiny_models, tiny_dat
 
 def test_optimizer_fuses_the_update_where_torch_can_and_matches_the_plain_loop(tiny_models):
     """The fused AdamW of a CPU run takes the same steps as torch's per-parameter loop (foreach off)."""
-    from distill.loop import make_optimizer
-    from distill.student import DistillationModel, load_student
+    from distill.optimizer import make_optimizer
+    from distill.students.head import DistillationModel
+    from distill.students.transformer import load_student
 
     models = [DistillationModel(load_student(str(tiny_models["student"]))).eval() for _ in range(2)]  # no dropout
     start = [p.detach().clone() for p in models[0].parameters()]
@@ -864,11 +865,13 @@ def test_torch_compile_resumes_an_eager_checkpoint_and_trains_as_eager(
 def test_gradient_checkpointing_changes_no_loss_and_stays_out_of_the_export(
     tiny_models, tiny_data, eager_run, tmp_path, monkeypatch
 ):
-    import distill.student
+    import distill.students.transformer
 
     enabled = []
-    enable = distill.student.enable_gradient_checkpointing
-    monkeypatch.setattr(distill.student, "enable_gradient_checkpointing", lambda s: enabled.extend(enable(s)))
+    enable = distill.students.transformer.enable_gradient_checkpointing
+    monkeypatch.setattr(
+        distill.students.transformer, "enable_gradient_checkpointing", lambda s: enabled.extend(enable(s))
+    )
     out = tmp_path / "checkpointed"
     flags = option_run_flags(tiny_models, tiny_data, out, eager_run.parent / "cache", gradient_checkpointing=True)
     assert main(flags) == 0

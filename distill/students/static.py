@@ -36,14 +36,19 @@ import numpy as np
 import torch
 
 from distill.batching import TokenizedTexts
+from distill.config.schema import Scope
 from distill.errors import DistillError
 from distill.files import write_atomic
-from distill.hub import model_fingerprint, resolve_model
+from distill.hub import ModelShape, config_folder, model_fingerprint, resolve_model, tokenizer_of
+from distill.students.kinds import ExtraFolder, LoadContext, StudentDescription, StudentFigures, StudentKind
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
 
-STATIC = "static"
+    from distill.config.schema import StudentConfig, TeacherConfig
+    from distill.stages.cost import CostTexts, ModelCost
+
+STATIC_NAME = "static"
 DEFAULT_DIM = 256
 MODEL2VEC_FOLDER = "model2vec"  # beside the SentenceTransformer folder in <artifacts_dir>
 
@@ -52,7 +57,7 @@ def is_static(name: str | None) -> bool:
     """Whether --student_model names a static student: `static`, `static:<model>`, or a static model's folder."""
     if not name:
         return False
-    if name == STATIC or name.startswith(f"{STATIC}:"):
+    if name == STATIC_NAME or name.startswith(f"{STATIC_NAME}:"):
         return True
     folder = Path(name).expanduser()
     return folder.is_dir() and (_is_model2vec(folder) or _is_static_sentence_transformer(folder))
@@ -73,8 +78,10 @@ def _is_static_sentence_transformer(folder: Path) -> bool:
 
 def source_model(name: str, teacher_model: str | None) -> str:
     """The model whose tokens a `static` / `static:<model>` student is distilled from."""
+    from distill.teachers import runs_here
+
     source = name.split(":", 1)[1] if ":" in name else teacher_model
-    if not source or source.startswith("openai/") or "," in source:
+    if not source or not runs_here(source):
         raise DistillError(
             "student_model static distils the teacher's token vectors, but the teacher is not one model loaded here; "
             "name the model to distil with --student_model static:<model> (a Hub name or a folder)"
@@ -380,3 +387,102 @@ def save_model2vec(student: SentenceTransformer, folder: Path, card: str) -> Pat
     model.save_pretrained(str(folder))
     (folder / "README.md").write_text(card)
     return folder
+
+
+MODEL2VEC_NOTE = (
+    "This folder is the same student as a model2vec model: `StaticModel.from_pretrained(path)` loads it, with "
+    "every linear layer after the table folded into the table."
+)
+# a table read from a folder keeps its width and its vocabulary: these options shape a table distilled here
+DISTILLED_HERE = Scope(
+    "a static table distilled here (a folder's table keeps its own width and vocabulary)",
+    "pass --student_model static or static:<model> to distil one",
+    ("student_model",),
+)
+
+
+class StaticKind(StudentKind):
+    """A table of token vectors: `static`, `static:<model>`, a model2vec folder, or a static SentenceTransformer."""
+
+    name = "static table"
+    scope = "a static student"
+    how = "pass --student_model static"
+    options = ("student_dim", "student_tokenizer")
+    projection_bias = False  # export folds the projection in after the table's own Normalize
+
+    def claims(self, name: str) -> bool:
+        return is_static(name)
+
+    def holds(self, model: SentenceTransformer) -> bool:
+        from sentence_transformers.sentence_transformer.modules import StaticEmbedding
+
+        return isinstance(next(iter(model), None), StaticEmbedding)
+
+    def refuses(self, settings: StudentConfig) -> dict[str, Scope]:
+        folder = Path(settings.student_model).expanduser().is_dir()
+        return dict.fromkeys(self.options, DISTILLED_HERE) if folder else {}
+
+    def describe(self, settings: StudentConfig, teacher: TeacherConfig) -> StudentDescription:
+        """Its base model is the model its table was distilled from (`static`: the teacher's); it reads every token."""
+        name = settings.student_model
+        folder = Path(name).expanduser().is_dir()
+        base = name if folder else name.split(":", 1)[1] if ":" in name else teacher.teacher_model or ""
+        return StudentDescription(base_model=base, token_limit=None)
+
+    def declared_dim(self, settings: StudentConfig, teacher: TeacherConfig) -> int | None:
+        folder = Path(settings.student_model).expanduser().is_dir()  # its table's width is read when loaded
+        return None if folder else settings.student_dim or DEFAULT_DIM
+
+    def figures(self, settings: StudentConfig, teacher: TeacherConfig) -> StudentFigures:
+        """A table of vocabulary size x width, which costs no FLOPs worth counting (a mean of looked-up rows)."""
+        name = settings.student_model
+        source = None
+        if Path(name).expanduser().is_dir():
+            folder = Path(name).expanduser()
+            dim = int(json.loads((folder / "config.json").read_text()).get("hidden_dim") or DEFAULT_DIM)
+        else:
+            source = folder = config_folder(source_model(name, teacher.teacher_model), None)
+            dim = settings.student_dim or DEFAULT_DIM
+        vocabulary_from = config_folder(settings.student_tokenizer, None) if settings.student_tokenizer else folder
+        tokenizer = tokenizer_of(vocabulary_from)
+        vocabulary = len(tokenizer) if tokenizer is not None else 0
+        shape = ModelShape(vocabulary * dim, vocabulary * dim, 0, 1, 0, dim, 0, dim)
+        return StudentFigures(folder, shape, reads_every_token=True, table_source=source)
+
+    def load(self, settings: StudentConfig, context: LoadContext) -> SentenceTransformer:
+        how = Distilling(
+            device=str(context.device),
+            dtype=context.teacher_dtype,
+            tokenizer=settings.student_tokenizer,
+            share=context.share,
+            wait=context.wait,
+        )
+        name, teacher = settings.student_model, context.teacher.teacher_model
+        return load_static_student(name, teacher, settings.student_dim, context.cache_dir, how)
+
+    def texts(self, model: SentenceTransformer) -> Callable[..., TokenizedTexts]:
+        return StaticTexts
+
+    def deployable(self, student: SentenceTransformer, head: list[Any]) -> SentenceTransformer:
+        """Its linear modules (a rotation, a projection) fold into its table: one lookup and mean a text."""
+        from sentence_transformers import SentenceTransformer
+
+        return one_table(SentenceTransformer(modules=[*student, *head], device=str(student.device)))
+
+    def extra_folders(self, deployable: SentenceTransformer) -> dict[str, ExtraFolder]:
+        """A static table is also a model2vec model: its users load it there."""
+        return {MODEL2VEC_FOLDER: ExtraFolder(MODEL2VEC_NOTE, partial(_save_folder, deployable))}
+
+    def runtime_cost(self, student: SentenceTransformer, texts: CostTexts) -> ModelCost | None:
+        """On a CPU, also model2vec's own runtime (`StaticModel.encode`, numpy)."""
+        from distill.stages.cost import measure_model2vec
+
+        model = as_model2vec(student) if student.device.type == "cpu" else None
+        return measure_model2vec(model, texts) if model is not None else None
+
+
+def _save_folder(student: SentenceTransformer, folder: Path, card: str) -> None:
+    save_model2vec(student, folder, card)
+
+
+STATIC = StaticKind()

@@ -4,31 +4,58 @@
 - endpoint.py: an OpenAI-compatible embeddings endpoint (vLLM, text-embeddings-inference, infinity, or a paid
   API), asked by every process for its share of the texts;
 - vectors.py: vectors computed before, read from a file (its missing texts, if any, from one of the above);
-- ensemble.py: several of them combined (`--teacher_model A,B`), each cached on its own.
+- ensemble.py: several of them combined (`--teacher_model A,B`), each cached on its own;
+- base.py: the interface (`TeacherKind`, `Source`) and the registry.
 
-Each kind is a `Source`. The content-keyed cache (distill/teacher.py) asks it what changes its vectors
-(`identity` and `key_fields`); on a miss, for an `Encoder` of the texts, which the cache runs over each
-process's share, block by block, into a resumable cache entry. The phases, evaluation and the planner see only
-the cached vectors. `make_source` picks the kind from the flags.
+A named kind (local, endpoint, or one added with `register_teacher_kind`) makes a `Source` from a
+--teacher_model name; `make_source` combines them: several names into an ensemble, a vectors file in front. The
+content-keyed cache (distill/stages/targets.py) asks a source what changes its vectors (`identity` and
+`key_fields`); on a miss, for an `Encoder` of the texts, which the cache runs over each process's share, block by
+block, into a resumable cache entry. The phases, evaluation and the planner see only the cached vectors.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from distill.errors import DistillError
-from distill.teachers.base import ENDPOINT_PREFIX, CachedSource, Caches, Encoder, Source
+from distill.teachers.endpoint import ENDPOINT
+from distill.teachers.local import LOCAL
+from distill.teachers.sources import (
+    KINDS,
+    CachedSource,
+    Caches,
+    Encoder,
+    Source,
+    TeacherContext,
+    TeacherKind,
+    register_teacher_kind,
+    teacher_kind,
+)
 
 if TYPE_CHECKING:
-    import torch
+    from distill.config.schema import TeacherConfig
 
-    from distill.config import Config, ModelConfig
+__all__ = [
+    "KINDS",
+    "CachedSource",
+    "Caches",
+    "Encoder",
+    "Source",
+    "TeacherContext",
+    "TeacherKind",
+    "make_source",
+    "members_of",
+    "register_teacher_kind",
+    "teacher_kind",
+]
 
-__all__ = ["ENDPOINT_PREFIX", "CachedSource", "Caches", "Encoder", "Source", "make_source", "members_of"]
+# the local model claims every name, so it is asked last: registered first
+register_teacher_kind(LOCAL)
+register_teacher_kind(ENDPOINT)
 
 
-def check_teacher(config: ModelConfig) -> None:
+def check_teacher(config: TeacherConfig) -> None:
     """A run needs a teacher: a model, an endpoint or a vectors file (checked before anything is read or written)."""
     if config.teacher_model is None and config.teacher_vectors is None:
         raise DistillError(
@@ -37,15 +64,31 @@ def check_teacher(config: ModelConfig) -> None:
         )
 
 
-def teacher_names(config: ModelConfig) -> list[str]:
+def teacher_names(config: TeacherConfig | str | None) -> list[str]:
     """The models --teacher_model names: one, or several (comma-separated) to combine."""
-    return [name.strip() for name in (config.teacher_model or "").split(",") if name.strip()]
+    names = config if isinstance(config, str) or config is None else config.teacher_model
+    return [name.strip() for name in (names or "").split(",") if name.strip()]
 
 
-def local_model(config: ModelConfig) -> str | None:
+def runs_here(name: str) -> bool:
+    """Whether --teacher_model `name` is one model that runs on this machine."""
+    names = teacher_names(name)
+    return len(names) == 1 and teacher_kind(names[0]).runs_here
+
+
+def local_model(config: TeacherConfig) -> str | None:
     """The one teacher model loaded here, or None: an endpoint, several teachers, or vectors alone."""
     names = teacher_names(config)
-    return names[0] if len(names) == 1 and not names[0].startswith(ENDPOINT_PREFIX) else None
+    return names[0] if len(names) == 1 and teacher_kind(names[0]).runs_here else None
+
+
+def where(config: TeacherConfig) -> str:
+    """What stands behind a teacher that runs elsewhere ("" for models run here): an endpoint, a vectors file."""
+    if local_model(config) is not None:
+        return ""
+    if config.teacher_model is not None:
+        return ", ".join(filter(None, (teacher_kind(n).where(n, config) for n in teacher_names(config))))
+    return f"vectors from {config.teacher_vectors}"
 
 
 def members_of(source: Source) -> list[CachedSource]:
@@ -54,38 +97,35 @@ def members_of(source: Source) -> list[CachedSource]:
     return list(getattr(source, "member_caches", []))
 
 
-def make_source(config: Config, device: torch.device, caches: Caches, phase1: bool = False) -> Source:
-    """The teacher the flags name; with `phase1`, phase 1's own target (`--phase1_teacher_model`) where there is one.
-
-    `--teacher_vectors PATH` reads vectors from a file, its missing texts encoded by `--teacher_model` when given;
-    `--teacher_model openai/<model>` asks an OpenAI-compatible endpoint; any other name is a model loaded here.
-    """
+def phase1_source(config: TeacherConfig, context: TeacherContext) -> Source:
+    """Phase 1's own target (`--phase1_teacher_model`): a model loaded here, with its own prompts."""
     from distill.teachers.local import LocalTeacher, TeacherSpec
 
-    models = config.model
-    if phase1 and models.phase1_teacher_model:
-        return LocalTeacher(TeacherSpec.from_config(models, device, phase1=True))
+    return LocalTeacher(TeacherSpec.from_config(config, context, phase1=True))
 
-    def one(name: str) -> Source:
-        named = replace(models, teacher_model=name)
-        if name.startswith(ENDPOINT_PREFIX):
-            from distill.teachers.endpoint import EndpointTeacher
 
-            return EndpointTeacher.from_config(named, config.performance.teacher_batch_size)
-        return LocalTeacher(TeacherSpec.from_config(named, device), name)
+def make_source(config: TeacherConfig, context: TeacherContext, caches: Caches, phase1: bool = False) -> Source:
+    """The teacher the flags name; with `phase1`, phase 1's own target (`--phase1_teacher_model`) where there is one.
 
-    names = teacher_names(models)
-    model: Source | None = one(names[0]) if len(names) == 1 else None
-    if len(names) > 1:
+    Each name of --teacher_model is made by its kind; several are combined; `--teacher_vectors PATH` reads vectors
+    from a file, its missing texts encoded by the named teacher when there is one.
+    """
+    if phase1 and config.phase1_teacher_model:
+        return phase1_source(config, context)
+    names = teacher_names(config)
+    model: Source | None = None
+    if len(names) == 1:
+        model = teacher_kind(names[0]).make(names[0], config, context)
+    elif names:
         from distill.teachers.ensemble import EnsembleTeacher
 
         weights = (
-            [float(w) for w in models.teacher_weights.split(",")] if models.teacher_weights else [1.0] * len(names)
+            [float(w) for w in config.teacher_weights.split(",")] if config.teacher_weights else [1.0] * len(names)
         )
-        model = EnsembleTeacher([one(name) for name in names], weights, caches)
-    if models.teacher_vectors:
+        model = EnsembleTeacher([teacher_kind(n).make(n, config, context) for n in names], weights, caches)
+    if config.teacher_vectors:
         from distill.teachers.vectors import VectorsTeacher
 
-        return VectorsTeacher(models.teacher_vectors, caches, fill=model)
+        return VectorsTeacher(config.teacher_vectors, caches, fill=model)
     assert model is not None, "validated: a teacher_model or teacher_vectors is set"
     return model

@@ -31,18 +31,19 @@ import numpy as np
 import torch
 from accelerate.logging import get_logger
 
-from distill.cache import Role
-from distill.config import ModelConfig
 from distill.errors import DistillError
-from distill.teachers.base import ENDPOINT_PREFIX, Encoder
+from distill.store import Role
+from distill.teachers.sources import Encoder, TeacherContext, TeacherKind
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from distill.efficiency import CostTexts, ModelCost, TeacherCosts
+    from distill.config.schema import TeacherConfig
+    from distill.stages.cost import CostTexts, ModelCost, TeacherCosts
 
 logger = get_logger(__name__)
 
+ENDPOINT_PREFIX = "openai/"  # --teacher_model openai/<model>, as LiteLLM and others name a provider's model
 OPENAI_API = "https://api.openai.com/v1"
 IN_FLIGHT = 4  # requests each process keeps open at once
 REQUEST_TOKENS = 100_000  # estimated tokens per request, under the limits of the common servers and APIs
@@ -98,11 +99,11 @@ class EndpointTeacher:
         self._client: Any = None
 
     @classmethod
-    def from_config(cls, config: ModelConfig, request_texts: int | None = None) -> EndpointTeacher:
-        """The endpoint the flags name; prompts are texts here (an endpoint declares none)."""
-        assert config.teacher_model is not None
+    def from_config(cls, name: str, config: TeacherConfig, request_texts: int | None = None) -> EndpointTeacher:
+        """The endpoint `name` (openai/<model>) with the flags' settings; prompts are texts here (an endpoint
+        declares none)."""
         return cls(
-            config.teacher_model.removeprefix(ENDPOINT_PREFIX),
+            name.removeprefix(ENDPOINT_PREFIX),
             config.teacher_base_url,
             config.teacher_api_key_env,
             config.teacher_dimensions,
@@ -240,7 +241,7 @@ class EndpointTeacher:
             return None
         cost = costs.get(accelerator.device)
         if cost is None:
-            from distill.efficiency import measure_endpoint
+            from distill.stages.cost import measure_endpoint
 
             cost = measure_endpoint(self.request, texts, self.prompt("query"), self.prompt("document"))
             costs.put(cost)
@@ -255,3 +256,25 @@ class EndpointTeacher:
 def first_words(message: str, limit: int = 160) -> str:
     line = " ".join(str(message).split())
     return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+class EndpointKind(TeacherKind):
+    """An OpenAI-compatible embeddings endpoint: `--teacher_model openai/<model>`."""
+
+    name = "endpoint"
+    scope = "an endpoint teacher"
+    how = "pass --teacher_model openai/<model>"
+    options = ("teacher_base_url", "teacher_dimensions")
+    runs_here = False
+
+    def claims(self, name: str) -> bool:
+        return name.startswith(ENDPOINT_PREFIX)
+
+    def make(self, name: str, settings: TeacherConfig, context: TeacherContext) -> EndpointTeacher:
+        return EndpointTeacher.from_config(name, settings, context.batch_size)
+
+    def where(self, name: str, settings: TeacherConfig) -> str:
+        return f"{name} at {settings.teacher_base_url or OPENAI_API}"
+
+
+ENDPOINT = EndpointKind()

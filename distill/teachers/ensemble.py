@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from distill.cache import Role
-from distill.efficiency import ModelCost
-from distill.teachers.base import Caches, Encoder, Source
+from distill.stages.cost import ModelCost
+from distill.store import Role
+from distill.teachers.sources import Caches, Encoder, Source
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from distill.efficiency import CostTexts, TeacherCosts
+    from distill.stages.cost import CostTexts, TeacherCosts
 
 
 class EnsembleTeacher:

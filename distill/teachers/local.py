@@ -21,23 +21,25 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 
 from distill.batching import TOKENIZE_CHUNK
-from distill.cache import Role
-from distill.config import ModelConfig
-from distill.efficiency import CostTexts, ModelCost, TeacherCosts, measure
 from distill.errors import DistillError
 from distill.files import read_json
 from distill.hub import (
-    declared_max_seq_length,
+    ModelShape,
+    config_folder,
     hub_snapshot,
     load_sentence_transformer,
     model_fingerprint,
+    model_shape,
     resolve_model,
 )
-from distill.students.static import is_static
-from distill.teachers.base import Encoder
+from distill.stages.cost import CostTexts, ModelCost, TeacherCosts, measure
+from distill.store import Role
+from distill.teachers.sources import Encoder, TeacherContext, TeacherKind
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
+
+    from distill.config.schema import TeacherConfig
 
 logger = get_logger(__name__)
 
@@ -91,25 +93,28 @@ class TeacherSpec:
     document_prompt: str = ""
 
     @classmethod
-    def from_config(cls, config: ModelConfig, device: torch.device, phase1: bool = False) -> TeacherSpec:
-        """The teacher; with `phase1`, phase 1's own target where `phase1_teacher_model` names one (its own
-        prompts, its latest revision), else the teacher."""
-        dtype = teacher_dtype(config.teacher_dtype, device)
+    def from_config(
+        cls, config: TeacherConfig, context: TeacherContext, name: str | None = None, phase1: bool = False
+    ) -> TeacherSpec:
+        """The teacher `name` (default: --teacher_model); with `phase1`, phase 1's own target
+        (`phase1_teacher_model`: its own prompts, its latest revision)."""
+        dtype = teacher_dtype(config.teacher_dtype, context.device)
         # Unset, the teacher reads what the student reads; the teacher's own limit only when the student's is unknown.
-        max_length = (
-            config.teacher_max_seq_length or config.max_seq_length or student_max_seq_length(config.student_model)
-        )
-        if phase1 and config.phase1_teacher_model:
+        max_length = config.teacher_max_seq_length or context.student_tokens
+        trust = context.trust_remote_code
+        if phase1:
+            assert config.phase1_teacher_model is not None
             path = resolve_model(config.phase1_teacher_model)
             declared = teacher_prompts(path)
             query, document = (role_prompt(declared, None, role, path) for role in ("query", "document"))
-            return cls(path, None, max_length, query, config.trust_remote_code, dtype, document)
-        assert config.teacher_model is not None, "a local teacher is a model"
-        path = resolve_model(config.teacher_model, config.teacher_revision)
+            return cls(path, None, max_length, query, trust, dtype, document)
+        name = name or config.teacher_model
+        assert name is not None, "a local teacher is a model"
+        path = resolve_model(name, config.teacher_revision)
         declared = teacher_prompts(path, config.teacher_revision)
         query = role_prompt(declared, config.teacher_query_prompt, "query", path)
         document = role_prompt(declared, config.teacher_document_prompt, "document", path)
-        return cls(path, config.teacher_revision, max_length, query, config.trust_remote_code, dtype, document)
+        return cls(path, config.teacher_revision, max_length, query, trust, dtype, document)
 
     def prompt(self, role: Role) -> str:
         """The text prepended to every text of `role` before the teacher encodes it."""
@@ -166,20 +171,6 @@ def teacher_prompts(path: str, revision: str | None = None) -> dict[str, str]:
 
 def _prompts(sentence_transformers_config: dict) -> dict[str, str]:
     return {name: text or "" for name, text in (sentence_transformers_config.get("prompts") or {}).items()}
-
-
-def student_max_seq_length(student_model: str) -> int | None:
-    """The student's own token limit, read without loading it (`declared_max_seq_length`); None if unknown or
-    where it has none (a static table reads every token)."""
-    if is_static(student_model):
-        return None
-    path = resolve_model(student_model)
-    if not Path(path).is_dir():
-        try:
-            path = hub_snapshot(path, None, ("sentence_bert_config.json", "tokenizer_config.json", "config.json"))
-        except DistillError:  # unknown (offline): the teacher reads up to its own limit
-            return None
-    return declared_max_seq_length(path)
 
 
 NON_FINITE_FIX = {
@@ -337,3 +328,24 @@ class LocalTeacher:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+class LocalKind(TeacherKind):
+    """A SentenceTransformer loaded here: the kind every name falls back to."""
+
+    name = "local model"
+    scope = "a teacher loaded here"
+    how = "pass a model's name or folder to --teacher_model"
+
+    def claims(self, name: str) -> bool:
+        return True
+
+    def make(self, name: str, settings: TeacherConfig, context: TeacherContext) -> LocalTeacher:
+        return LocalTeacher(TeacherSpec.from_config(settings, context, name), name)
+
+    def figures(self, name: str, settings: TeacherConfig, trust_remote_code: bool) -> tuple[Path, ModelShape]:
+        folder = config_folder(name, settings.teacher_revision)
+        return folder, model_shape(folder, None, trust_remote_code)
+
+
+LOCAL = LocalKind()

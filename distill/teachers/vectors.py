@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from distill.cache import Role
-from distill.data import pick_column
 from distill.errors import DistillError
-from distill.teachers.base import Caches, Encoder, Source
+from distill.records import pick_column
+from distill.store import Role
+from distill.teachers.sources import Caches, Encoder, Source
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from distill.efficiency import CostTexts, ModelCost, TeacherCosts
+    from distill.stages.cost import CostTexts, ModelCost, TeacherCosts
 
 TEXT_COLUMNS = ("text", "sentence", "passage", "document", "content", "query", "input")
 VECTOR_COLUMNS = ("embedding", "vector", "embeddings", "vectors", "emb")

@@ -4,7 +4,7 @@
   and a Normalize, so `encode` returns teacher-space vectors that can query an index the teacher built. In
   Matryoshka mode it is the student, given a final Normalize if it has none: unit vectors in both modes.
 - `<artifacts_dir>/student`: projection mode only, the student at its own dimension.
-- `<artifacts_dir>/model2vec`: a static student only, the same model as model2vec saves it.
+- a kind's own folders beside them: a static table's `<artifacts_dir>/model2vec`, as model2vec saves it.
 
 Each folder is written by sentence-transformers' own `save` into a temporary folder, with its model card
 (`distill/card.py`), then renamed into place: a crash never leaves half a model. Only the main process writes;
@@ -17,6 +17,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,36 +27,26 @@ from accelerate.logging import get_logger
 from distill.card import model_card
 from distill.distributed import on_main_process
 from distill.errors import DistillError, first_line
-from distill.student import DistillationModel, matryoshka_dims, normalize_module
-from distill.students import is_static_model
-from distill.students.static import MODEL2VEC_FOLDER, one_table, save_model2vec
+from distill.students import kind_of
+from distill.students.head import DistillationModel, matryoshka_dims
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
+
+    from distill.students.kinds import StudentDescription
 
 logger = get_logger(__name__)
 
 
 def deployable_model(model: DistillationModel) -> SentenceTransformer:
-    """The SentenceTransformer users get: the student, then projection + Normalize in projection mode.
+    """The SentenceTransformer users get, as the student's kind builds it: the student, then projection and
+    Normalize in projection mode.
 
     In Matryoshka mode a student that does not end with a Normalize gets one: the losses compare re-normalised
-    vectors, so its own norms were never trained, and a dot product on them would rank by noise. A static
-    student's linear modules (its rotation, a projection) fold into its table: one lookup and mean a text.
+    vectors, so its own norms were never trained, and a dot product on them would rank by noise.
     """
-    from sentence_transformers import SentenceTransformer
-
-    student = model.student
-    normalize = normalize_module()
     head = [] if model.projection is None else [model.projection]
-    if is_static_model(student):
-        return one_table(SentenceTransformer(modules=[*student, *head], device=str(student.device)))
-    if not head and isinstance(student[-1], type(normalize)):
-        return student
-    modules = [*student, *head, normalize]
-    exported = SentenceTransformer(modules=modules, device=str(student.device))
-    exported.max_seq_length = student.max_seq_length
-    return exported
+    return kind_of(model.student).deployable(model.student, head)
 
 
 def export_models(
@@ -65,6 +56,7 @@ def export_models(
     settings: dict,
     table: str,
     figures: dict | None = None,
+    student: StudentDescription | None = None,
 ) -> dict[str, str]:
     """Write the exported model folder(s), each with its model card (`settings`, the evaluation and cost `table`,
     `figures`: the run's results for the card's header).
@@ -85,25 +77,19 @@ def export_models(
 
     written = {name: str(path) for name, (path, *_) in targets.items()}
     deployable = targets["model"][1]
-    if is_static_model(deployable):  # a static table is also a model2vec model: its users load it there
-        written[MODEL2VEC_FOLDER] = str(root / MODEL2VEC_FOLDER)
+    extras = kind_of(deployable).extra_folders(deployable)  # a kind's own folders: a table's model2vec one
+    written.update({name: str(root / name) for name in extras})
 
     def write() -> None:
         for path, sentence_transformer, dims, note in targets.values():
-            card = model_card(sentence_transformer, settings, table, dims, note, trained, figures)
+            card = model_card(sentence_transformer, settings, table, dims, note, trained, figures, student)
             save_atomic(sentence_transformer, path, card)
-        if MODEL2VEC_FOLDER in written:
-            card = model_card(deployable, settings, table, model_dims, MODEL2VEC_NOTE, trained, figures)
-            save_atomic_with(lambda staging: save_model2vec(deployable, staging, card), root / MODEL2VEC_FOLDER)
+        for name, extra in extras.items():
+            card = model_card(deployable, settings, table, model_dims, extra.note, trained, figures, student)
+            save_atomic_with(partial(extra.save, card=card), root / name)
 
     on_main_process(accelerator, write)
     return written
-
-
-MODEL2VEC_NOTE = (
-    "This folder is the same student as a model2vec model: `StaticModel.from_pretrained(path)` loads it, with "
-    "every linear layer after the table folded into the table."
-)
 
 
 def save_atomic_with(save: Callable[[Path], object], target: Path) -> None:

@@ -1,6 +1,8 @@
-"""The teacher interface: what every kind of teacher (a `Source`) gives the content-keyed cache.
+"""The teacher interface: what every kind of teacher answers (`TeacherKind`), and what the `Source` it makes gives
+the content-keyed cache.
 
-distill/teachers/__init__.py picks the kind from the flags; each kind is one module beside this one.
+Each kind is one module beside this one; distill/teachers/__init__.py registers the built-in ones and combines
+them (several teachers, a vectors file); `register_teacher_kind` adds another from any code.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
 
-    from distill.cache import Role
-    from distill.efficiency import CostTexts, ModelCost, TeacherCosts
-
-ENDPOINT_PREFIX = "openai/"  # --teacher_model openai/<model>, as LiteLLM and others name a provider's model
+    from distill.config.schema import TeacherConfig
+    from distill.hub import ModelShape
+    from distill.stages.cost import CostTexts, ModelCost, TeacherCosts
+    from distill.store import Role
 
 
 @dataclass
@@ -95,7 +97,7 @@ class Caches(Protocol):
 
 
 class CachedSource(Protocol):
-    """A source behind the content-keyed cache (distill.teacher.TeacherCache)."""
+    """A source behind the content-keyed cache (distill.stages.targets.TeacherCache)."""
 
     source: Source
     seconds: float
@@ -105,3 +107,59 @@ class CachedSource(Protocol):
     def key(self, texts: list[str], role: Role) -> str: ...
 
     def cost(self, texts: CostTexts, key: str) -> ModelCost | None: ...
+
+
+@dataclass(frozen=True)
+class TeacherContext:
+    """What a teacher takes from the rest of the run."""
+
+    device: torch.device | str
+    student_tokens: int | None = None  # the student's token limit, which the teacher reads too unless told otherwise
+    trust_remote_code: bool = False
+    batch_size: int | None = None  # texts per forward pass or request (--teacher_batch_size)
+
+
+class TeacherKind:
+    """One kind of teacher, named by --teacher_model. A kind answers:
+
+    - `claims(name)`: whether a name is of this kind (the first registered kind that claims it wins);
+    - `options`: the flags only this kind takes;
+    - `runs_here`: whether its model runs on this machine (its config and tokenizer are here to read);
+    - `make`: the `Source` the cache encodes with; `where`: what stands behind it, when it runs elsewhere;
+    - `figures`: its config's folder and shape for the planner (None: it costs nothing here).
+    """
+
+    name = ""
+    scope = ""  # as an option's rule says it: "an endpoint teacher"
+    how = ""  # how a user chooses this kind: "pass --teacher_model openai/<model>"
+    options: tuple[str, ...] = ()
+    runs_here = True
+
+    def claims(self, name: str) -> bool:
+        raise NotImplementedError
+
+    def make(self, name: str, settings: TeacherConfig, context: TeacherContext) -> Source:
+        raise NotImplementedError
+
+    def where(self, name: str, settings: TeacherConfig) -> str:
+        return ""
+
+    def figures(self, name: str, settings: TeacherConfig, trust_remote_code: bool) -> tuple[Path, ModelShape] | None:
+        return None
+
+
+KINDS: list[TeacherKind] = []
+
+
+def register_teacher_kind(kind: TeacherKind) -> TeacherKind:
+    """Add a kind; it is asked before the ones registered earlier (the local model, which claims any name, last)."""
+    KINDS.insert(0, kind)
+    return kind
+
+
+def teacher_kind(name: str) -> TeacherKind:
+    """The kind of teacher one --teacher_model name is."""
+    for kind in KINDS:
+        if kind.claims(name):
+            return kind
+    raise ValueError(f"no teacher kind claims {name!r}")  # the local model claims every name

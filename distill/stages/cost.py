@@ -53,13 +53,12 @@ from accelerate import Accelerator
 from distill.distributed import main_decides
 from distill.errors import DistillError
 from distill.files import read_json, write_json_atomic
-from distill.students.static import as_model2vec
 
 if TYPE_CHECKING:
     import numpy as np
     from sentence_transformers import SentenceTransformer
 
-    from distill.data import DistillData
+    from distill.stages.data import DistillData
 
 logger = logging.getLogger(__name__)
 
@@ -371,18 +370,19 @@ def measure_student(
     texts: CostTexts,
     dtype: str = "float32",
     teacher_note: str | None = None,
+    own_runtime: Callable[[SentenceTransformer, CostTexts], ModelCost | None] | None = None,
 ) -> Efficiency:
     """The deployable student measured on the main process (the others wait), beside the teacher's figures.
 
     It encodes in `dtype`, the teacher's compute dtype (a bfloat16 copy where a GPU runs the teacher in bfloat16),
-    so that both models are timed alike; its weight bytes are those of the exported float32 folder.
+    so that both models are timed alike; its weight bytes are those of the exported float32 folder. `own_runtime`:
+    the student's kind's own figure, where it has one (a static table through model2vec's runtime).
     """
 
     def measured() -> tuple[ModelCost, ModelCost | None]:
         model = student if dtype == "float32" else copy.deepcopy(student).to(getattr(torch, dtype))
         cost = dataclasses.replace(measure(model, texts), weights_bytes=weights_bytes(student))
-        static = as_model2vec(student) if accelerator.device.type == "cpu" else None
-        return cost, measure_model2vec(static, texts) if static is not None else None
+        return cost, own_runtime(student, texts) if own_runtime is not None else None
 
     cost, model2vec_cost = main_decides(accelerator, measured)
     return Efficiency(
