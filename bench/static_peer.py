@@ -37,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     from distill.config import load_config
     from distill.hub import model_fingerprint, resolve_model
     from distill.metrics import score
+    from distill.pipeline import teacher_context
     from distill.stages.data import EvalVectors, load_data
-    from distill.stages.targets import TeacherCache, teacher_context
+    from distill.stages.targets import TeacherCache
     from distill.students.head import pca_basis
     from distill.students.static import DEFAULT_DIM, source_model
     from distill.teachers.local import LocalTeacher, TeacherSpec

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from distill.allocator import release_freed_memory
 from distill.checkpoint import TrainingState, load_checkpoint, save_checkpoint
-from distill.config.schema import Config
+from distill.config.schema import PerformanceConfig, TrainingConfig
 from distill.distributed import any_process, progress_bar
 from distill.errors import TrainingStopped, memory_message
 from distill.optimizer import make_optimizer, make_scheduler
@@ -446,15 +446,19 @@ def step_taken(
 
 
 def training_memory_message(
-    config: Config, phase: str, state: TrainingState, precision: str, error: BaseException
+    t: TrainingConfig,
+    performance: PerformanceConfig,
+    phase: str,
+    state: TrainingState,
+    precision: str,
+    error: BaseException,
 ) -> str:
     """What to change when a training step does not fit on the device (every epoch starts with its widest batch)."""
-    t = config.training
     fixes = [
         f"lower --batch_size (now {t.batch_size} per process) and raise --gradient_accumulation_steps "
         f"(now {t.gradient_accumulation_steps}) to keep the samples per optimizer step"
     ]
-    if not config.performance.gradient_checkpointing:
+    if not performance.gradient_checkpointing:
         fixes.append("pass --gradient_checkpointing True")
     if precision == "no":
         fixes.append("use --mixed_precision bf16")

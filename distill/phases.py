@@ -34,8 +34,7 @@ from distill.batching import (
     assemble_chunks,
     make_loader,
 )
-from distill.checkpoint import PHASES as PHASE_ORDER
-from distill.config.schema import Config
+from distill.config.schema import LossConfig, PerformanceConfig, PhaseConfig, TrainingConfig
 from distill.errors import DistillError
 from distill.losses import LossWeights, alignment_loss, similarity_kl_loss
 from distill.stages.data import DistillData, passage_texts
@@ -47,6 +46,19 @@ if TYPE_CHECKING:
     from distill.stages.targets import TeacherVectors
 
 logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a phase batches its texts: per-process batches of `batch_size` (phase 1: of `max_tokens_per_batch` padded
+    tokens, where given), seeded, padded to a multiple of `pad_to_multiple_of`; phase 2 forwards its queries and its
+    passages in up to `forward_chunks` chunks of similar length."""
+
+    batch_size: int
+    seed: int
+    pad_to_multiple_of: int = 1
+    forward_chunks: int = 1
+    max_tokens_per_batch: int | None = None
 
 
 @dataclass
@@ -63,6 +75,7 @@ class PhaseSettings:
     matryoshka_dims: list[int] | None  # None in projection mode
     teacher_basis: torch.Tensor | None = None  # MRL: (teacher_dim, student_dim), applied before truncation
     kl_memory_steps: int = 0  # phase 2: earlier optimizer steps whose passages join the similarity KL
+    batching: Batching = Batching(batch_size=64, seed=42)
 
 
 def scaled_lr(lr: float, scaling: str, num_processes: int) -> float:
@@ -74,14 +87,21 @@ def scaled_lr(lr: float, scaling: str, num_processes: int) -> float:
     return lr
 
 
-def phase_settings(config: Config, name: str, world: int) -> PhaseSettings:
-    """`name`'s settings from the config, for `world` processes; the student's dims and basis come with
-    `Phase.use_student`."""
-    phase_config = getattr(config, name)
-    t, losses = config.training, config.losses
-    # with phase 1's own target (phase1_teacher_model) the student is not in the teacher's space: phase 2 distils
-    # the teacher's similarities alone
-    aligned = not (name == "phase2" and config.teacher.phase1_teacher_model)
+def phase_settings(
+    name: str,
+    phase_config: PhaseConfig,
+    t: TrainingConfig,
+    losses: LossConfig,
+    performance: PerformanceConfig,
+    world: int,
+    aligned: bool = True,
+) -> PhaseSettings:
+    """`name`'s settings from its sections of the config, for `world` processes; the student's dims and basis come
+    with `Phase.use_student`. `aligned`: the student is in the teacher's space, so the alignment losses apply (not
+    so for phase 2 where phase 1 has its own target, `phase1_teacher_model`: it distils similarities alone)."""
+    batching = Batching(
+        t.batch_size, t.seed, performance.pad_to_multiple_of, performance.forward_chunks, t.max_tokens_per_batch
+    )
     return PhaseSettings(
         name=name,
         epochs=phase_config.epochs,
@@ -98,6 +118,7 @@ def phase_settings(config: Config, name: str, world: int) -> PhaseSettings:
         ),
         matryoshka_dims=None,
         kl_memory_steps=losses.kl_memory_steps,
+        batching=batching,
     )
 
 
@@ -115,9 +136,9 @@ class Phase:
 
     name: str
 
-    def __init__(self, config: Config, world: int):
-        self.config, self.world = config, world
-        self.settings = phase_settings(config, self.name, world)
+    def __init__(self, settings: PhaseSettings, world: int):
+        self.settings, self.world = settings, world
+        self.batching = settings.batching
 
     def use_student(self, dims: list[int] | None, basis: np.ndarray | None) -> None:
         """The student's Matryoshka dims and the teacher basis it is trained in (see `build_student`)."""
@@ -167,7 +188,7 @@ class Phase:
             kind_of(student).texts(student),
             student.tokenizer,
             max_length=student.max_seq_length,
-            pad_to_multiple_of=self.config.performance.pad_to_multiple_of,
+            pad_to_multiple_of=self.batching.pad_to_multiple_of,
         )
 
     def _warn_truncated(self, truncated: int, max_length: int) -> None:
@@ -189,13 +210,13 @@ class AlignmentPhase(Phase):
     def loader(self, student: SentenceTransformer, data: DistillData, teacher: TeacherVectors) -> DataLoader:
         texts = self._tokenizer(student)(data.phase1_texts)
         self._warn_truncated(texts.truncated, student.max_seq_length)
-        training = self.config.training
+        batching = self.batching
         budget = None
-        if training.max_tokens_per_batch:
+        if batching.max_tokens_per_batch:
             widths = texts.padded_widths(texts.lengths)
-            budget = TokenBudgetBatchSampler(widths, training.max_tokens_per_batch, self.world, training.seed)
+            budget = TokenBudgetBatchSampler(widths, batching.max_tokens_per_batch, self.world, batching.seed)
         collate = Phase1Batches(texts, teacher.phase1)
-        return make_loader(texts.lengths, training.batch_size * self.world, training.seed, collate, budget)
+        return make_loader(texts.lengths, batching.batch_size * self.world, batching.seed, collate, budget)
 
     def rows(self, batch: dict) -> int:
         return len(batch["teacher"])
@@ -213,8 +234,8 @@ class SimilarityPhase(Phase):
 
     name = "phase2"
 
-    def __init__(self, config: Config, world: int):
-        super().__init__(config, world)
+    def __init__(self, settings: PhaseSettings, world: int):
+        super().__init__(settings, world)
         self.memory = PassageMemory(self.settings.kl_memory_steps)
 
     def samples(self, data: DistillData) -> int:
@@ -224,12 +245,12 @@ class SimilarityPhase(Phase):
         tokenize = self._tokenizer(student)
         passages, rows = passage_texts(data.phase2)[0], teacher.passage_rows
         queries, passage_tokens = tokenize(data.phase2.queries), tokenize(passages)
-        chunks = self.config.performance.forward_chunks
+        chunks = self.batching.forward_chunks
         collate = Phase2Batches(queries, passage_tokens, rows, teacher.queries, teacher.passages, chunks)
         lengths = queries.lengths + passage_tokens.lengths[rows].sum(axis=1)
         self._warn_truncated(queries.truncated + passage_tokens.truncated, student.max_seq_length)
-        global_batch = self.config.training.batch_size * self.world
-        return make_loader(lengths, global_batch, self.config.training.seed, collate)
+        global_batch = self.batching.batch_size * self.world
+        return make_loader(lengths, global_batch, self.batching.seed, collate)
 
     def rows(self, batch: dict) -> int:
         return len(batch["teacher_queries"])
@@ -273,9 +294,9 @@ class SimilarityPhase(Phase):
 PHASES: dict[str, type[Phase]] = {"phase1": AlignmentPhase, "phase2": SimilarityPhase}
 
 
-def make_phases(config: Config, world: int) -> list[Phase]:
-    """The phases this run trains, in order (a phase is left out by --skip_phase1 / --skip_phase2)."""
-    return [PHASES[name](config, world) for name in PHASE_ORDER if not getattr(config.training, f"skip_{name}")]
+def make_phases(settings: list[PhaseSettings], world: int) -> list[Phase]:
+    """The phases these settings name, in order."""
+    return [PHASES[phase.name](phase, world) for phase in settings]
 
 
 def check_phase_sizes(phases: list[Phase], data: DistillData, batch_size: int, world: int) -> None:

@@ -22,32 +22,49 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 
 from distill.allocator import heap_allocator, release_freed_memory
+from distill.checkpoint import PHASES as PHASE_ORDER
 from distill.checkpoint import Resume, TrainingState, resume_requested
 from distill.config.flags import to_flat_dict
 from distill.config.schema import Config
-from distill.distributed import main_decides, make_accelerator
+from distill.distributed import machine_share, main_decides, make_accelerator
 from distill.errors import OutOfMemory
 from distill.files import folder_bytes
 from distill.loop import CheckpointSettings, train_phase, training_memory_message
 from distill.metrics import score
-from distill.phases import Phase, check_phase_sizes, make_phases
+from distill.phases import Phase, PhaseSettings, check_phase_sizes, make_phases, phase_settings
 from distill.report import check_output_dir, prepare_output_dir, results_table, write_results
 from distill.results import PhaseFigures, RunResults
 from distill.stages.cost import CostTexts, Efficiency, cost_table, measure_student, trade_off_line
 from distill.stages.data import DistillData, load_data
 from distill.stages.export import deployable_model, export_models, push_to_hub
-from distill.stages.initialise import build_student, check_declared_dimensions, phase_bases
-from distill.stages.scoring import EvalInputs, PhaseEvaluation, eval_inputs, evaluate_student, evaluate_teacher
-from distill.stages.targets import CacheSettings, TeacherVectors, embed_with_teacher, teacher_context
+from distill.stages.initialise import (
+    PHASE1_TEACHER,
+    TEACHER,
+    Fitting,
+    build_student,
+    check_declared_dimensions,
+    phase_bases,
+)
+from distill.stages.scoring import (
+    EvalInputs,
+    KeepBest,
+    PhaseEvaluation,
+    eval_inputs,
+    evaluate_student,
+    evaluate_teacher,
+)
+from distill.stages.targets import CacheSettings, TeacherVectors, embed_with_teacher
 from distill.students import kind_of, student_kind
 from distill.students.head import DistillationModel
-from distill.students.kinds import StudentDescription
+from distill.students.kinds import LoadContext, StudentDescription
+from distill.teachers import TeacherContext
 from distill.teachers.local import teacher_dtype
 from distill.tracking import tracker_config
 
@@ -58,22 +75,18 @@ NO_EVALUATION = "(no evaluation set)"
 def run(config: Config) -> RunResults:
     """The whole pipeline on this process (one of the launched ones). Returns the run's results."""
     accelerator, resume = start(config)
-    phases = make_phases(config, accelerator.num_processes)
+    phases = make_phases(training_phases(config, accelerator.num_processes), accelerator.num_processes)
     trained = {phase.name for phase in phases}
-    check_declared_dimensions(config)  # before any encoding: a wrong pairing fails in seconds
+    check_declared_dimensions(config.teacher, config.student, config.mode)  # a wrong pairing fails in seconds
     student = student_kind(config.student.student_model).describe(config.student, config.teacher)
     with stage("data"):
         data = load_data(config.data, config.training.seed, "phase1" in trained, "phase2" in trained)
         check_phase_sizes(phases, data, config.training.batch_size, accelerator.num_processes)
     costs = CostTexts.from_data(data, config.output.efficiency_texts, config.training.batch_size, config.training.seed)
     with stage("teacher"):  # the teacher's own cost is measured while it is loaded: it is never loaded twice
-        context = teacher_context(config, accelerator.device)
-        batch_size = config.performance.teacher_batch_size or config.training.batch_size
-        cache = CacheSettings(config.output.teacher_cache_dir, batch_size, config.data.mine_hard_negatives)
-        teacher = embed_with_teacher(accelerator, config.teacher, context, cache, data, costs)
+        teacher = teacher_stage(accelerator, config, data, costs)
     with stage("student"):
-        model, dims, basis = build_student(accelerator, config, teacher.fit_dim, *teacher.fit_sample(data))
-        bases = phase_bases(accelerator, config, model, basis, teacher)
+        model, dims, bases = student_stage(accelerator, config, data, teacher)
         evaluation = eval_inputs(model.student, data, teacher.evaluation, bases["phase2"])
     output_dir = prepare_output_dir(accelerator, config)  # inputs are valid: from here on the run writes
     accelerator.init_trackers(config.output.tracker_project, config=tracker_config(config))
@@ -87,7 +100,9 @@ def run(config: Config) -> RunResults:
         phase.use_student(dims, bases[phase.name])
         evaluations = None
         if evaluation is not None:
-            evaluations = PhaseEvaluation(accelerator, config, evaluation, dims, phase.name, state, output_dir)
+            keep = keep_best(config, output_dir, student)
+            batch = 2 * config.training.batch_size
+            evaluations = PhaseEvaluation(accelerator, evaluation, dims, phase.name, state, batch, keep)
         with stage(phase.name):
             checkpoint = resume.checkpoint_for(phase.name)
             model = train_stage(accelerator, config, model, phase, data, teacher, state, evaluations, checkpoint)
@@ -103,6 +118,78 @@ def run(config: Config) -> RunResults:
             results.hub = main_decides(accelerator, lambda: publish(config, model, exported))
             write_results(accelerator, output_dir, results)
     return finish(accelerator, results, path)
+
+
+def training_phases(config: Config, world: int) -> list[PhaseSettings]:
+    """Each phase's settings from its sections of the config, in order (--skip_phase1 / --skip_phase2 leave one out).
+    With phase 1's own target (phase1_teacher_model) the student is not in the teacher's space: phase 2 distils the
+    teacher's similarities alone."""
+    own_target = config.teacher.phase1_teacher_model is not None
+    return [
+        phase_settings(
+            name,
+            getattr(config, name),
+            config.training,
+            config.losses,
+            config.performance,
+            world,
+            aligned=not (name == "phase2" and own_target),
+        )
+        for name in PHASE_ORDER
+        if not getattr(config.training, f"skip_{name}")
+    ]
+
+
+def teacher_context(config: Config, device: torch.device | str) -> TeacherContext:
+    """What the teacher takes from the rest of the run: the token limit, --max_seq_length or else the student's own
+    as its kind reports it (a table reads every token: the teacher reads up to its own), the trust flag, the
+    request size."""
+    student = student_kind(config.student.student_model).describe(config.student, config.teacher)
+    return TeacherContext(
+        device,
+        student_tokens=config.student.max_seq_length or student.token_limit,
+        trust_remote_code=config.student.trust_remote_code,
+        batch_size=config.performance.teacher_batch_size,
+    )
+
+
+def teacher_stage(
+    accelerator: Accelerator, config: Config, data: DistillData, costs: CostTexts | None
+) -> TeacherVectors:
+    """The teacher stage, given its own sections: the teacher's, what it takes from the student, and its cache's."""
+    context = teacher_context(config, accelerator.device)
+    batch_size = config.performance.teacher_batch_size or config.training.batch_size
+    cache = CacheSettings(config.output.teacher_cache_dir, batch_size, config.data.mine_hard_negatives)
+    return embed_with_teacher(accelerator, config.teacher, context, cache, data, costs)
+
+
+def student_stage(
+    accelerator: Accelerator, config: Config, data: DistillData, teacher: TeacherVectors
+) -> tuple[DistillationModel, list[int] | None, dict[str, np.ndarray | None]]:
+    """The student stage, given its own sections: the student its kind loads, fitted to the teacher's vectors;
+    its Matryoshka dims (None in projection mode), and the basis each phase reads its targets in."""
+    context = LoadContext(
+        device=accelerator.device,
+        mixed_precision=accelerator.mixed_precision,
+        teacher=config.teacher,
+        cache_dir=Path(config.output.teacher_cache_dir),
+        teacher_dtype=teacher_dtype(config.teacher.teacher_dtype, accelerator.device),
+        share=machine_share(accelerator),
+        wait=accelerator.wait_for_everyone,
+        gradient_checkpointing=config.performance.gradient_checkpointing,
+    )
+    target = PHASE1_TEACHER if config.teacher.phase1_teacher_model else TEACHER
+    fitting = Fitting(config.training.seed, 2 * config.training.batch_size, target)
+    fit = (teacher.fit_dim, *teacher.fit_sample(data))
+    model, dims, basis = build_student(accelerator, config.student, config.mode, context, fitting, *fit)
+    return model, dims, phase_bases(accelerator, fitting, model, basis, teacher)
+
+
+def keep_best(config: Config, output_dir: Path, student: StudentDescription) -> KeepBest | None:
+    """--keep_best: each phase's best model to <output_dir>/best/<phase>, where there are evaluations to compare."""
+    if not (config.checkpoint.keep_best and config.checkpoint.eval_steps > 0):
+        return None
+    return KeepBest(output_dir / "best", to_flat_dict(config), student)
 
 
 def start(config: Config) -> tuple[Accelerator, Resume]:
@@ -177,7 +264,9 @@ def train_stage(
             accelerator, model, phase, loader, state, checkpoints, resume, periodic, config.checkpoint.eval_steps
         )
     except torch.OutOfMemoryError as e:  # evaluation halves its batches itself: this is a training step
-        message = training_memory_message(config, phase.name, state, accelerator.mixed_precision, e)
+        message = training_memory_message(
+            config.training, config.performance, phase.name, state, accelerator.mixed_precision, e
+        )
         raise OutOfMemory(message) from None
     release_freed_memory()
     return model

@@ -225,9 +225,9 @@ def nanobeir_stand_in(tmp_path_factory) -> Path:
 
 def teacher_spec(device: object, phase1: bool = False, **flags: object) -> object:
     """The TeacherSpec a run with these flags makes: the teacher's settings, and the student's token limit as its
-    kind reports it (distill.stages.targets.teacher_context)."""
+    kind reports it (distill.pipeline.teacher_context)."""
     from distill.config import FLAGS, Config
-    from distill.stages.targets import teacher_context
+    from distill.pipeline import teacher_context
     from distill.teachers.local import TeacherSpec
 
     config = Config()

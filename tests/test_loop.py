@@ -219,8 +219,9 @@ def test_lr_scaling_multiplies_each_phases_learning_rate_by_the_process_count(sc
     schedule test above reads it back from a run's optimizer)."""
     from distill.config import load_config
     from distill.phases import make_phases
+    from distill.pipeline import training_phases
 
     config = load_config(["--teacher_model", "t", "--student_model", "s", "--lr_scaling", scaling]
                          + ["--phase1_lr", "1e-4", "--phase2_lr", "3e-5"])  # fmt: skip
-    phases = make_phases(config, world=9)
+    phases = make_phases(training_phases(config, 9), world=9)
     assert [p.settings.lr for p in phases] == pytest.approx([1e-4 * factor, 3e-5 * factor])

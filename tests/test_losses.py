@@ -207,15 +207,15 @@ def test_similarity_kl_gradient_moves_student_towards_teacher() -> None:
 
 def test_phase_2_distils_similarities_alone_when_phase_1_has_its_own_target() -> None:
     from distill.config import load_config
-    from distill.phases import phase_settings
+    from distill.pipeline import training_phases
 
     mrl = ["--use_projection", "False", "--cosine_weight", "0.5", "--mse_weight", "2"]
     plain = load_config(mrl)
-    assert [(w.cosine, w.mse) for w in (phase_settings(plain, p, 1).weights for p in ("phase1", "phase2"))] == [
+    assert [(w.cosine, w.mse) for w in (p.weights for p in training_phases(plain, 1))] == [
         (0.5, 2.0),
         (0.5, 2.0),
     ]
     own = load_config([*mrl, "--phase1_teacher_model", "student/source"])
-    phase1, phase2 = (phase_settings(own, p, 1).weights for p in ("phase1", "phase2"))
+    phase1, phase2 = (p.weights for p in training_phases(own, 1))
     assert (phase1.cosine, phase1.mse) == (0.5, 2.0)  # phase 1 aligns the student to its own target
     assert (phase2.cosine, phase2.mse, phase2.kl) == (0.0, 0.0, 1.0)  # no shared space with the teacher: KL alone

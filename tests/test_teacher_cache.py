@@ -23,7 +23,8 @@ import distill.store as store_module
 import distill.teachers.local as local_module
 from conftest import build_tiny_decoder, sentences, teacher_spec
 from distill.errors import DistillError
-from distill.stages.targets import TeacherCache, teacher_context, texts_fingerprint
+from distill.pipeline import teacher_context
+from distill.stages.targets import TeacherCache, texts_fingerprint
 from distill.store import CACHE_FORMAT
 from distill.teachers.local import LocalTeacher, TeacherSpec
 
@@ -296,6 +297,8 @@ def test_teacher_token_limit_defaults_to_the_students_and_can_be_set_alone(
     for student in ("static", "static:org/model"):
         spec = teacher_spec(accelerator.device, teacher_model=str(folder), student_model=student)
         assert spec.max_seq_length is None
+        given = teacher_spec(accelerator.device, teacher_model=str(folder), student_model=student, max_seq_length=64)
+        assert given.max_seq_length == 64  # --max_seq_length limits the teacher alone
     # a different limit means different vectors: a different cache entry
     cache_a = TeacherCache(accelerator, LocalTeacher(shared), tmp_path / "cache", batch_size=8)
     cache_b = TeacherCache(accelerator, LocalTeacher(alone), tmp_path / "cache", batch_size=8)
@@ -748,7 +751,7 @@ def test_teacher_token_limit_defaults_to_the_students_own(
 
 
 def test_embedded_demo_cache_keys_keep_their_token_limit_and_prompts(accelerator: Accelerator) -> None:
-    """The demo sets max_seq_length 128 itself, and its teacher has no prompts: the new defaults change nothing."""
+    """The demo sets max_seq_length 128 itself, and its teacher has no prompts: the defaults leave its keys alone."""
     from distill.config import load_config
 
     demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
@@ -855,7 +858,10 @@ def free_port() -> int:
 
 def run_on_two_processes(driver: str, teacher: Path, cache_dir: Path, tmp_path: Path) -> None:
     """Run `driver` (a script) under torchrun on 2 gloo processes with (teacher, cache, texts.json, seen prefix)."""
-    (tmp_path / "driver.py").write_text(driver)
+    # every driver ends its group before the interpreter exits: gloo's threads torn down at exit can abort it
+    end = "\nimport torch.distributed\nif torch.distributed.is_initialized():\n"
+    end += "    torch.distributed.destroy_process_group()\n"
+    (tmp_path / "driver.py").write_text(driver + end)
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, HF_HUB_OFFLINE="1", ACCELERATE_USE_CPU="true", PYTHONPATH=str(repo))
     args = [str(teacher), str(cache_dir), str(tmp_path / "texts.json"), str(tmp_path / "seen")]
@@ -1066,7 +1072,6 @@ texts = [f"passage {i % 30}" for i in range(37)]  # some texts shared by two pai
 mined = mined_negatives(accelerator, 3, texts, vectors, vectors)
 np.save(f"{sys.argv[4]}.{accelerator.process_index}.npy", mined)
 accelerator.wait_for_everyone()
-torch.distributed.destroy_process_group()  # gloo's threads stopped before the interpreter exits, not during
 """
 
 

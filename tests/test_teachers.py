@@ -25,7 +25,8 @@ from conftest import sentences, teacher_spec, tiny_run_flags
 from distill.config import load_config
 from distill.errors import DistillError
 from distill.hub import resolve_model
-from distill.stages.targets import TeacherCache, teacher_context
+from distill.pipeline import teacher_context
+from distill.stages.targets import TeacherCache
 from distill.teachers.endpoint import EndpointTeacher
 from distill.teachers.local import LocalTeacher, TeacherSpec
 from distill.teachers.vectors import VectorsTeacher, read_vectors

@@ -88,7 +88,7 @@ def measure_texts(
     """Every text list of the run (`text_lists`) with its lengths in both tokenizers; which tokenizer counted
     the teacher's. Phase 1's own target, if any, counts phase 1's texts with its tokenizer and prompts."""
     teacher_folder, student_folder, phase1_folder = models.teacher_folder, models.student_folder, models.phase1_folder
-    from distill.stages.targets import teacher_context
+    from distill.pipeline import teacher_context
     from distill.teachers import phase1_source, teacher_kind, teacher_names
 
     settings, training = config.teacher, config.training

@@ -6,8 +6,8 @@ or the rotation and the teacher's PCA basis (Matryoshka mode) on a sample of the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -16,7 +16,7 @@ from accelerate import Accelerator
 from accelerate.utils import send_to_device
 
 from distill.batching import TokenizedTexts
-from distill.distributed import machine_share, main_decides, progress_bar
+from distill.distributed import main_decides, progress_bar
 from distill.hub import declared_dimension, resolve_model
 from distill.sharding import map_sharded
 from distill.students import student_kind
@@ -33,36 +33,34 @@ from distill.students.head import (
 )
 from distill.students.kinds import LoadContext
 from distill.teachers import check_teacher, local_model
-from distill.teachers.local import teacher_dtype
 
 if TYPE_CHECKING:
-    from distill.config.schema import Config
+    from distill.config.schema import ModeConfig, StudentConfig, TeacherConfig
     from distill.stages.targets import TeacherVectors
 
 PROJECTION_FIT_SAMPLES = 4096
+TEACHER, PHASE1_TEACHER = "teacher", "phase-1 teacher"  # whose vectors the projection or basis is fitted on
 
 
 PCA_FIT_SAMPLES = 32768  # rows of the teacher's vectors its principal axes are computed from (a 3584-d teacher: ~1 min)
 
 
-def student_context(accelerator: Accelerator, config: Config) -> LoadContext:
-    """What the student's kind may use to load it: the device, the teacher's settings, the cache folder, the
-    machine's processes (a table distilled here is split over them)."""
-    return LoadContext(
-        device=accelerator.device,
-        mixed_precision=accelerator.mixed_precision,
-        teacher=config.teacher,
-        cache_dir=Path(config.output.teacher_cache_dir),
-        teacher_dtype=teacher_dtype(config.teacher.teacher_dtype, accelerator.device),
-        share=machine_share(accelerator),
-        wait=accelerator.wait_for_everyone,
-        gradient_checkpointing=config.performance.gradient_checkpointing,
-    )
+@dataclass(frozen=True)
+class Fitting:
+    """How the projection, the rotation and the basis are fitted: seeded samples, student batches of this size, on
+    the vectors of the model `target` names (in errors)."""
+
+    seed: int
+    batch_size: int
+    target: str = TEACHER
 
 
 def build_student(
     accelerator: Accelerator,
-    config: Config,
+    settings: StudentConfig,
+    mode: ModeConfig,
+    context: LoadContext,
+    fitting: Fitting,
     teacher_dim: int,
     fit_texts: list[str],
     fit_targets: np.ndarray | None,
@@ -73,20 +71,19 @@ def build_student(
     orthonormal columns) is what the teacher's vectors are multiplied by before truncation in MRL mode. The
     projection, rotation and basis are fitted on `fit_texts` and the teacher's vectors of them, `fit_targets`.
     """
-    kind = student_kind(config.student.student_model)
-    student = kind.load(config.student, student_context(accelerator, config))
+    kind = student_kind(settings.student_model)
+    student = kind.load(settings, context)
     student.to(accelerator.device)
     student_dim = embedding_dim(student)
-    target = "phase-1 teacher" if config.teacher.phase1_teacher_model else "teacher"
-    check_dimensions(student_dim, teacher_dim, config.mode.use_projection, target)
+    check_dimensions(student_dim, teacher_dim, mode.use_projection, fitting.target)
     texts, targets = fit_texts, fit_targets
     assert targets is not None, "a projection or basis needs the teacher's vectors of the fitting texts"
-    sample = np.random.default_rng(config.training.seed).permutation(len(texts))[:PROJECTION_FIT_SAMPLES]
+    sample = np.random.default_rng(fitting.seed).permutation(len(texts))[:PROJECTION_FIT_SAMPLES]
     sample.sort()
     tokens = kind.texts(student)(student.tokenizer, [texts[i] for i in sample], student.max_seq_length)
-    student_vectors, _ = encode_student(accelerator, DistillationModel(student), tokens, 2 * config.training.batch_size)
+    student_vectors, _ = encode_student(accelerator, DistillationModel(student), tokens, fitting.batch_size)
     sampled_targets = np.asarray(targets[sample], dtype=np.float32)
-    if config.mode.use_projection:
+    if mode.use_projection:
         # an orthonormal map keeps every cosine of the student (docs/QUALITY.md); a student wider than its teacher
         # has none, and gets the least-squares fit, with a bias unless its kind folds the projection in after a
         # Normalize (a static table)
@@ -96,10 +93,10 @@ def build_student(
         return DistillationModel(student, projection.to(accelerator.device)), None, None
     # MRL with a PCA basis: the teacher's coordinates ordered by variance, so its truncations keep the most;
     # the student gets the fixed rotation that best lines its own space up with that basis.
-    basis = fit_basis(accelerator, targets, student_dim, config.training.seed)
+    basis = fit_basis(accelerator, targets, student_dim, fitting.seed)
     rotated = torch.nn.functional.normalize(torch.from_numpy(sampled_targets @ basis), dim=-1)
     add_rotation(student, orthogonal_procrustes(torch.from_numpy(student_vectors), rotated).to(accelerator.device))
-    return DistillationModel(student), matryoshka_dims(student_dim, config.mode.matryoshka_dims), basis
+    return DistillationModel(student), matryoshka_dims(student_dim, mode.matryoshka_dims), basis
 
 
 def fit_basis(accelerator: Accelerator, targets: np.ndarray, student_dim: int, seed: int) -> np.ndarray:
@@ -110,7 +107,7 @@ def fit_basis(accelerator: Accelerator, targets: np.ndarray, student_dim: int, s
 
 def phase_bases(
     accelerator: Accelerator,
-    config: Config,
+    fitting: Fitting,
     model: DistillationModel,
     basis: np.ndarray | None,
     teacher: TeacherVectors,
@@ -118,16 +115,16 @@ def phase_bases(
     """The teacher basis each phase (and the evaluation, as phase 2) reads its targets in.
 
     `basis` is the one `build_student` fitted on phase 1's targets. Where `phase1_teacher_model` gives phase 1
-    another target than the teacher, the teacher gets its own basis, fitted on its phase-2 passages: phase 2
-    compares similarities only, so the two spaces need not match.
+    another target than the teacher (`fitting.target` is not the teacher), the teacher gets its own basis, fitted on
+    its phase-2 passages: phase 2 compares similarities only, so the two spaces need not match.
     """
-    if not config.teacher.phase1_teacher_model:
+    if fitting.target == TEACHER:
         return {"phase1": basis, "phase2": basis}
     student_dim = embedding_dim(model.student)
     check_dimensions(student_dim, teacher.dim, use_projection=False)
     own = None
     if basis is not None and teacher.passages is not None:
-        own = fit_basis(accelerator, teacher.passages, student_dim, config.training.seed)
+        own = fit_basis(accelerator, teacher.passages, student_dim, fitting.seed)
     return {"phase1": basis, "phase2": own}
 
 
@@ -152,18 +149,18 @@ def encode_student(
     return both[:, : model.student_dim], both[:, model.student_dim :]
 
 
-def check_declared_dimensions(config: Config) -> None:
+def check_declared_dimensions(teacher: TeacherConfig, student: StudentConfig, mode: ModeConfig) -> None:
     """Matryoshka mode: teacher at least as wide as the student, --matryoshka_dims no wider, from the folders' configs.
 
     Checked before the teacher encodes (hours, for a large one), not after.
     """
-    check_teacher(config.teacher)
-    if config.mode.use_projection:
+    check_teacher(teacher)
+    if mode.use_projection:
         return
-    teacher = local_model(config.teacher)  # an endpoint's or a file's width is known once it answers
-    teacher_dim = declared_dimension(resolve_model(teacher, config.teacher.teacher_revision)) if teacher else None
-    student_dim = student_kind(config.student.student_model).declared_dim(config.student, config.teacher)
+    local = local_model(teacher)  # an endpoint's or a file's width is known once it answers
+    teacher_dim = declared_dimension(resolve_model(local, teacher.teacher_revision)) if local else None
+    student_dim = student_kind(student.student_model).declared_dim(student, teacher)
     if teacher_dim and student_dim:
         check_dimensions(student_dim, teacher_dim, use_projection=False)
     if student_dim:
-        matryoshka_dims(student_dim, config.mode.matryoshka_dims)
+        matryoshka_dims(student_dim, mode.matryoshka_dims)

@@ -18,15 +18,14 @@ from accelerate import Accelerator
 
 from distill.batching import TokenizedTexts
 from distill.checkpoint import TrainingState
-from distill.config.flags import to_flat_dict
-from distill.config.schema import Config
 from distill.losses import truncate
 from distill.metrics import score, set_retrieval
 from distill.stages.data import DistillData, EvalSet, EvalVectors
 from distill.stages.export import export_models
 from distill.stages.initialise import encode_student
-from distill.students import kind_of, student_kind
+from distill.students import kind_of
 from distill.students.head import DistillationModel
+from distill.students.kinds import StudentDescription
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -126,6 +125,15 @@ def eval_inputs(
     )
 
 
+@dataclass(frozen=True)
+class KeepBest:
+    """--keep_best: where each phase's best model goes (`<folder>/<phase>`), and what its card says."""
+
+    folder: Path
+    settings: dict  # the run's flags, as the card lists them
+    student: StudentDescription
+
+
 class PhaseEvaluation:
     """A phase's evaluations, on every process: every --eval_steps optimizer steps (`periodic`, logged) and at its
     end (`final`); with --keep_best, the best of them is exported to <output_dir>/best/<phase>.
@@ -137,19 +145,18 @@ class PhaseEvaluation:
     def __init__(
         self,
         accelerator: Accelerator,
-        config: Config,
         evaluation: EvalInputs,
         dims: list[int] | None,
         phase: str,
         state: TrainingState,
-        output_dir: Path,
+        batch_size: int,
+        keep: KeepBest | None = None,
     ) -> None:
-        self.accelerator, self.config, self.evaluation, self.dims = accelerator, config, evaluation, dims
-        self.phase, self.state, self.output_dir = phase, state, output_dir
+        self.accelerator, self.evaluation, self.dims = accelerator, evaluation, dims
+        self.phase, self.state, self.batch_size, self.keep = phase, state, batch_size, keep
         self.history = state.results.evaluations.setdefault(phase, [])
         self.best = max((h["ndcg@10"] for h in self.history), default=float("-inf"))
         self.last: tuple[int, dict] | None = None  # (optimizer step, metrics) of the last periodic evaluation
-        self.keep_best = config.checkpoint.keep_best and config.checkpoint.eval_steps > 0
 
     def periodic(self, model: DistillationModel, step: int) -> None:
         metrics = self._evaluate(model)
@@ -169,12 +176,11 @@ class PhaseEvaluation:
         return metrics
 
     def _evaluate(self, model: DistillationModel) -> dict:
-        batch_size = 2 * self.config.training.batch_size
-        return evaluate_student(self.accelerator, model, self.evaluation, batch_size, self.dims)
+        return evaluate_student(self.accelerator, model, self.evaluation, self.batch_size, self.dims)
 
     def _keep_if_best(self, model: DistillationModel, metrics: dict, description: str) -> None:
-        if self.keep_best and metrics["ndcg@10"] > self.best:
+        keep = self.keep
+        if keep is not None and metrics["ndcg@10"] > self.best:
             self.best = metrics["ndcg@10"]
-            config, folder = self.config, self.output_dir / "best" / self.phase
-            student = student_kind(config.student.student_model).describe(config.student, config.teacher)
-            export_models(self.accelerator, model, folder, to_flat_dict(config), description, student=student)
+            folder = keep.folder / self.phase
+            export_models(self.accelerator, model, folder, keep.settings, description, student=keep.student)

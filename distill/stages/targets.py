@@ -31,7 +31,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 
 from distill.allocator import release_freed_memory
-from distill.config.schema import Config, TeacherConfig
+from distill.config.schema import TeacherConfig
 from distill.distributed import everyone, main_decides, progress_bar, smallest, writes_for_this_machine
 from distill.errors import DistillError
 from distill.sharding import map_sharded
@@ -208,20 +208,6 @@ class TeacherCache:
     def release(self) -> None:
         """Free the teacher's memory before the student trains."""
         self.source.release()
-
-
-def teacher_context(config: Config, device: torch.device | str) -> TeacherContext:
-    """What the teacher takes from the rest of the run: the student's token limit as its kind reports it (a table
-    reads every token: the teacher reads up to its own), the trust flag, the request size."""
-    from distill.students import student_kind
-
-    student = student_kind(config.student.student_model).describe(config.student, config.teacher)
-    return TeacherContext(
-        device,
-        student_tokens=student.token_limit,
-        trust_remote_code=config.student.trust_remote_code,
-        batch_size=config.performance.teacher_batch_size,
-    )
 
 
 @dataclass(frozen=True)
