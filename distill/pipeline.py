@@ -150,6 +150,7 @@ def teacher_context(config: Config, device: torch.device | str) -> TeacherContex
         student_tokens=config.student.max_seq_length or student.token_limit,
         trust_remote_code=config.student.trust_remote_code,
         batch_size=config.performance.teacher_batch_size,
+        cache_dir=Path(config.output.teacher_cache_dir).expanduser(),
     )
 
 

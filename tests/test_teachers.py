@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import urllib.request
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from safetensors.torch import load_file
 
 import distill.stages.targets as teacher_module
 import distill.teachers.endpoint as endpoint_module
+import distill.teachers.vectors as vectors_module
 from conftest import sentences, teacher_spec, tiny_run_flags
 from distill.config import load_config
 from distill.errors import DistillError
@@ -282,12 +284,56 @@ def write_vectors(folder: Path, texts: list[str], vectors: np.ndarray, kind: str
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "parquet", "npy", "folder"])
-def test_every_vectors_format_reads_back_its_texts_and_vectors(tmp_path, kind) -> None:
-    texts = sentences(7, seed=2)
+def test_every_vectors_format_reads_back_its_texts_and_vectors(tmp_path, kind, monkeypatch) -> None:
+    """A .parquet or .jsonl file goes through its streamed copy, 3 rows at a time here: every chunk lands in its
+    place, and the copy is memory-mapped."""
+    monkeypatch.setattr(vectors_module, "CHUNK_ROWS", 3)
+    broken = "\n" if kind != "npy" else " "  # a .txt beside an .npy holds a text per line
+    texts = [*sentences(6, seed=2), f'a text with a "quote"{broken}and a line break']
     vectors = np.random.default_rng(0).standard_normal((7, 5)).astype(np.float32)
-    read_texts, read = read_vectors(write_vectors(tmp_path, texts, vectors, kind))
+    read_texts, read = read_vectors(write_vectors(tmp_path / "in", texts, vectors, kind), tmp_path / "files")
     assert read_texts == texts
     np.testing.assert_array_equal(np.asarray(read, dtype=np.float32), vectors)
+    streamed = kind in ("jsonl", "parquet")
+    assert isinstance(read, np.memmap) and (list((tmp_path / "files").glob("*/embeddings.npy")) != []) == streamed
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_streamed_vectors_file_of_uneven_widths_is_one_line(tmp_path, kind, monkeypatch) -> None:
+    """Uneven widths, in one chunk or across two, are one error line, and no half-written copy stays behind."""
+    monkeypatch.setattr(vectors_module, "CHUNK_ROWS", 2)
+    folder = tmp_path / "in"
+    folder.mkdir()
+    rows = [{"text": f"text {i}", "embedding": [0.5] * (4 if i < 3 else 5)} for i in range(5)]
+    if kind == "jsonl":
+        path = folder / "v.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = folder / "v.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(DistillError, match=r"^teacher_vectors: .* not all of one width|holds no list of numbers"):
+        read_vectors(path, tmp_path / "files")
+    assert list((tmp_path / "files").iterdir()) == []
+
+
+def test_a_vectors_file_is_streamed_once_and_read_back_by_a_later_run(tmp_path, monkeypatch) -> None:
+    """The streamed copy is keyed by the file: a second read streams nothing; a changed file is streamed again."""
+    texts = sentences(5, seed=4)
+    vectors = np.random.default_rng(1).standard_normal((5, 3)).astype(np.float32)
+    path = write_vectors(tmp_path / "in", texts, vectors, "parquet")
+    streamed = []
+    real = vectors_module._stream_parquet
+    monkeypatch.setattr(vectors_module, "_stream_parquet", lambda *a: streamed.append(1) or real(*a))
+    read_vectors(path, tmp_path / "files")
+    read_vectors(path, tmp_path / "files")
+    assert streamed == [1]
+    write_vectors(tmp_path / "in", texts, 2 * vectors, "parquet")
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    np.testing.assert_array_equal(read_vectors(path, tmp_path / "files")[1], 2 * vectors)
+    assert streamed == [1, 1]
 
 
 def test_a_vectors_teacher_serves_its_file_and_names_what_it_lacks(accelerator, tiny_models, tmp_path) -> None:

@@ -126,6 +126,7 @@ def make_source(config: TeacherConfig, context: TeacherContext, caches: Caches, 
     if config.teacher_vectors:
         from distill.teachers.vectors import VectorsTeacher
 
-        return VectorsTeacher(config.teacher_vectors, caches, fill=model)
+        files = context.cache_dir / "files" if context.cache_dir is not None else None  # its streamed copy
+        return VectorsTeacher(config.teacher_vectors, caches, fill=model, workdir=files)
     assert model is not None, "validated: a teacher_model or teacher_vectors is set"
     return model

@@ -117,6 +117,7 @@ class TeacherContext:
     student_tokens: int | None = None  # the student's token limit, which the teacher reads too unless told otherwise
     trust_remote_code: bool = False
     batch_size: int | None = None  # texts per forward pass or request (--teacher_batch_size)
+    cache_dir: Path | None = None  # the teacher cache's folder: a kind may keep what it prepares there
 
 
 class TeacherKind:

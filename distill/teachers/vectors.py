@@ -3,25 +3,34 @@
 A vector database filled by the teacher, or a dump of an API's answers, already holds what distillation needs.
 The file is one of:
 
-- `.parquet`: a text column and a vector column (a list of floats per row), read through a memory map;
+- `.parquet`: a text column and a vector column (a list of floats per row);
 - `.jsonl`: one object per line with a text and a vector;
 - `.npy` (memory-mapped) beside a texts file of the same stem: `.txt` (one text per line) or `.jsonl`;
 - a folder holding `embeddings.npy` (or `vectors.npy`) and `texts.txt` (or `texts.jsonl`).
 
-Texts are matched as the run's data cleans them (whitespace collapsed). Texts of the run the file lacks are an
+A `.parquet` or `.jsonl` file is streamed once per machine, CHUNK_ROWS rows at a time, into an `.npy` array and
+a texts file under `<teacher_cache_dir>/files/` (keyed by the file's path, size and time), which every process
+then memory-maps: reading holds one chunk, whatever the file's size. Texts are matched as the run's data cleans
+them (whitespace collapsed). Texts of the run the file lacks are an
 error that says how many and where, unless `--teacher_model` is also given: it then encodes them (cached under
 its own key), and the file supplies the rest. The vectors go into the run's cache like any teacher's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from distill.distributed import writes_for_this_machine
 from distill.errors import DistillError
 from distill.records import pick_column
 from distill.store import Role
@@ -37,15 +46,18 @@ VECTOR_COLUMNS = ("embedding", "vector", "embeddings", "vectors", "emb")
 ARRAYS = ("embeddings.npy", "vectors.npy")
 TEXT_FILES = ("texts.txt", "texts.jsonl")
 NOT_TIMED = "the teacher's vectors were read from a file, so its speed is not measured"
+CHUNK_ROWS = 8192  # rows of a .parquet or .jsonl file held at once while it is streamed into an array
+STREAMED = (".parquet", ".jsonl")
 
 
 class VectorsTeacher:
     """Vectors from a file, and from `fill` (a model or endpoint) for the texts the file lacks."""
 
-    def __init__(self, path: str, caches: Caches, fill: Source | None = None):
+    def __init__(self, path: str, caches: Caches, fill: Source | None = None, workdir: Path | None = None):
         self.file = Path(path).expanduser()
         self.caches = caches
         self.fill = fill
+        self.workdir = workdir  # where a .parquet or .jsonl file is streamed into an array (default: a temp folder)
         self.name = str(self.file) if fill is None else f"{self.file} and {fill.name}"
         self.path = str(self.file)  # what a cache manifest records
         self.revision: str | None = None
@@ -78,6 +90,11 @@ class VectorsTeacher:
 
     def encoder(self, accelerator: Accelerator, texts: list[str], role: Role) -> Encoder:
         """Each text's row of the file, or of the fill's vectors of the texts the file lacks."""
+        if self.file.suffix in STREAMED and self._texts is None:  # streamed once per machine, then read by all
+            if accelerator is None or writes_for_this_machine(accelerator):
+                streamed_copy(self.file, self.workdir)
+            if accelerator is not None:
+                accelerator.wait_for_everyone()
         rows_of, vectors = self.rows(), self.vectors()
         rows = np.array([rows_of.get(text, -1) for text in texts], dtype=np.int64)
         missing = np.flatnonzero(rows < 0)
@@ -120,12 +137,12 @@ class VectorsTeacher:
 
     def texts(self) -> list[str]:
         if self._texts is None:
-            self._texts, self._vectors = read_vectors(self.file)
+            self._texts, self._vectors = read_vectors(self.file, self.workdir)
         return self._texts
 
     def vectors(self) -> np.ndarray:
         if self._vectors is None:
-            self._texts, self._vectors = read_vectors(self.file)
+            self._texts, self._vectors = read_vectors(self.file, self.workdir)
         return self._vectors
 
     def _files(self) -> list[Path]:
@@ -150,8 +167,11 @@ def beside(array: Path) -> list[Path]:
     return [array.with_suffix(".txt"), array.with_suffix(".jsonl")]
 
 
-def read_vectors(path: Path) -> tuple[list[str], np.ndarray]:
-    """(texts, (len(texts), dim) float vectors) from a vectors file or folder; a DistillError says what is wrong."""
+def read_vectors(path: Path, workdir: Path | None = None) -> tuple[list[str], np.ndarray]:
+    """(texts, (len(texts), dim) float vectors, memory-mapped) from a vectors file or folder; a DistillError says
+    what is wrong. A .parquet or .jsonl file is read from its streamed copy under `workdir` (made if missing)."""
+    if path.suffix in STREAMED and path.is_file():
+        path = streamed_copy(path, workdir)
     if path.is_dir():
         array = next((path / name for name in ARRAYS if (path / name).is_file()), None)
         texts = next((path / name for name in TEXT_FILES if (path / name).is_file()), None)
@@ -169,10 +189,6 @@ def read_vectors(path: Path) -> tuple[list[str], np.ndarray]:
                 f"(one per line) or {path.with_suffix('.jsonl').name}; add one"
             )
         return _checked(path, _read_texts(texts), np.load(path, mmap_mode="r"))
-    if path.suffix == ".parquet":
-        return _read_parquet(path)
-    if path.suffix == ".jsonl":
-        return _read_jsonl(path)
     raise DistillError(
         f"teacher_vectors: expected a .parquet, .jsonl or .npy file or a folder, got {str(path)!r}; convert it to one"
     )
@@ -186,43 +202,119 @@ def _read_texts(path: Path) -> list[str]:
     return [str(row[column]) for row in rows]
 
 
-def _read_parquet(path: Path) -> tuple[list[str], np.ndarray]:
+def streamed_copy(path: Path, workdir: Path | None = None) -> Path:
+    """The folder (embeddings.npy, texts.jsonl) that a .parquet or .jsonl vectors file is streamed into, under
+    `workdir`, keyed by the file's path, size and modification time; made once, through a staging folder, so a
+    stopped copy is never read."""
+    stat = path.stat()
+    key = hashlib.sha256(json.dumps([str(path.resolve()), stat.st_size, stat.st_mtime_ns]).encode()).hexdigest()
+    root = workdir or Path(tempfile.gettempdir()) / "distill-vectors"
+    folder = root / f"{path.stem}-{key[:16]}"
+    if folder.is_dir():
+        return folder
+    staging = root / f".{folder.name}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        (_stream_parquet if path.suffix == ".parquet" else _stream_jsonl)(path, staging)
+        os.replace(staging, folder)
+    except OSError:  # another process of this machine renamed its copy first: theirs is the same
+        if not folder.is_dir():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+class ArrayWriter:
+    """An .npy array of `rows` float32 rows written chunk by chunk, its width taken from the first chunk."""
+
+    def __init__(self, file: IO[bytes], rows: int, source: Path):
+        self.file, self.rows, self.source = file, rows, source
+        self.dim: int | None = None
+        self.written = 0
+
+    def write(self, chunk: np.ndarray) -> None:
+        if self.dim is None:
+            self.dim = int(chunk.shape[1])
+            header = {"descr": "<f4", "fortran_order": False, "shape": (self.rows, self.dim)}
+            np.lib.format.write_array_header_2_0(self.file, header)
+        if chunk.shape[1] != self.dim:
+            raise DistillError(
+                f"teacher_vectors: the vectors of {self.source} are not all of one width; give one width"
+            )
+        self.file.write(np.ascontiguousarray(chunk, dtype="<f4").tobytes())
+        self.written += len(chunk)
+
+    def close(self) -> None:
+        if self.dim is None or self.written != self.rows:
+            raise DistillError(f"teacher_vectors: {self.source} holds no vectors; give one vector per text")
+
+
+def uneven(path: Path) -> str:
+    return f"teacher_vectors: the vectors of {path} are not all of one width; give one width"
+
+
+def _stream_parquet(path: Path, staging: Path) -> None:
+    """A parquet file's text and vector columns, CHUNK_ROWS rows at a time (pyarrow's `iter_batches`)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path, memory_map=True)
-    names = {name: None for name in table.column_names}
+    source = pq.ParquetFile(path, memory_map=True)  # arrow's own buffers would hold row groups whole
+    names = dict.fromkeys(source.schema_arrow.names)
     text, vector = _column(names, TEXT_COLUMNS, path, "text"), _column(names, VECTOR_COLUMNS, path, "vector")
-    column = table.column(vector).combine_chunks()
-    try:
-        values = column.flatten().to_numpy(zero_copy_only=False)  # list<float> or fixed_size_list<float>
-    except (AttributeError, ValueError, TypeError):
-        raise DistillError(f"teacher_vectors: column {vector!r} of {path} holds no lists of numbers") from None
-    rows = len(column)
-    if rows == 0 or len(values) % rows:
-        raise DistillError(f"teacher_vectors: the vectors of {path} are not all of one width; give one width")
-    return _checked(path, [str(t) for t in table.column(text).to_pylist()], values.reshape(rows, -1))
+    with (staging / "embeddings.npy").open("wb") as array_file, (staging / "texts.jsonl").open("w") as texts:
+        array = ArrayWriter(array_file, source.metadata.num_rows, path)
+        for batch in source.iter_batches(batch_size=CHUNK_ROWS, columns=[text, vector]):
+            column = batch.column(vector)
+            try:
+                widths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+                values = column.flatten().to_numpy(zero_copy_only=False)  # list<float> or fixed_size_list<float>
+            except (AttributeError, ValueError, TypeError, NotImplementedError):
+                raise DistillError(f"teacher_vectors: column {vector!r} of {path} holds no lists of numbers") from None
+            if len(widths) and (widths.min() != widths.max()):
+                raise DistillError(uneven(path))
+            array.write(values.reshape(len(widths), -1))
+            texts.writelines(json.dumps({"text": str(t)}) + "\n" for t in batch.column(text).to_pylist())
+        array.close()
+    source.close()
+    pa.default_memory_pool().release_unused()  # the decoded chunks' memory, back to the OS before the run reads
 
 
-def _read_jsonl(path: Path) -> tuple[list[str], np.ndarray]:
-    texts, vectors = [], []
+def _stream_jsonl(path: Path, staging: Path) -> None:
+    """A JSON-lines file's texts and vectors, one line parsed at a time into a chunk of CHUNK_ROWS rows."""
+    with path.open(encoding="utf8") as lines:
+        rows = sum(1 for line in lines if line.strip())
+    with (staging / "embeddings.npy").open("wb") as array_file, (staging / "texts.jsonl").open("w") as texts:
+        array = ArrayWriter(array_file, rows, path)
+        chunk: list[np.ndarray] = []
+        for number, row in _json_rows(path):
+            text, vector = _column(row, TEXT_COLUMNS, path, "text"), _column(row, VECTOR_COLUMNS, path, "vector")
+            try:
+                chunk.append(np.asarray(row[vector], dtype=np.float32))
+                texts.write(json.dumps({"text": str(row[text])}) + "\n")
+                if len(chunk) == CHUNK_ROWS:
+                    array.write(np.stack(chunk))
+                    chunk = []
+            except (ValueError, TypeError):
+                raise DistillError(
+                    f"teacher_vectors: line {number} of {path} holds no list of numbers of the others' width"
+                ) from None
+        if chunk:
+            array.write(np.stack(chunk))
+        array.close()
+
+
+def _json_rows(path: Path) -> Iterator[tuple[int, dict]]:
     with path.open(encoding="utf8") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                yield number, json.loads(line)
             except json.JSONDecodeError:
                 raise DistillError(f"teacher_vectors: line {number} of {path} is not JSON; fix or remove it") from None
-            text, vector = _column(row, TEXT_COLUMNS, path, "text"), _column(row, VECTOR_COLUMNS, path, "vector")
-            texts.append(str(row[text]))
-            vectors.append(row[vector])
-    try:
-        array = np.asarray(vectors, dtype=np.float32)
-    except (ValueError, TypeError):
-        raise DistillError(
-            f"teacher_vectors: the vectors of {path} are not all lists of numbers of one width"
-        ) from None
-    return _checked(path, texts, array)
 
 
 def _column(row: dict, names: tuple[str, ...], path: Path, what: str) -> str:
