@@ -25,10 +25,12 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
@@ -370,6 +372,25 @@ def main_decides(accelerator: Accelerator, decide: Callable[[], T]) -> T:
 def everyone(accelerator: Accelerator, flag: bool) -> bool:
     """Whether `flag` holds on every process (one process: whether it does)."""
     return smallest(accelerator, int(flag)) == 1
+
+
+@contextmanager
+def machine_first() -> Iterator[None]:
+    """Each machine's first process runs the block, then the machine's others do (accelerate's
+    `local_main_process_first`): work kept on a machine's disk is done there once."""
+    from accelerate import PartialState
+
+    with PartialState().local_main_process_first():
+        yield
+
+
+def agreed(accelerator: Accelerator, flags: np.ndarray) -> np.ndarray:
+    """Each of `flags` (a boolean per item, the same items on every process) where it holds on every process."""
+    if accelerator.num_processes == 1:
+        return flags
+    local = torch.from_numpy(flags.astype(np.uint8)).to(accelerator.device)
+    every = accelerator.gather(local).reshape(accelerator.num_processes, -1)
+    return every.min(dim=0).values.cpu().numpy().astype(bool)
 
 
 def smallest(accelerator: Accelerator, value: int) -> int:

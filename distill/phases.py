@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -39,6 +41,7 @@ from distill.errors import DistillError
 from distill.losses import LossWeights, alignment_loss, similarity_kl_loss
 from distill.stages.data import DistillData, passage_texts
 from distill.students import kind_of
+from distill.tokens import cached_tokens
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -59,6 +62,7 @@ class Batching:
     pad_to_multiple_of: int = 1
     forward_chunks: int = 1
     max_tokens_per_batch: int | None = None
+    token_cache: Path | None = None  # where each machine keeps its tokenized texts (distill/tokens.py); None: none
 
 
 @dataclass
@@ -95,12 +99,18 @@ def phase_settings(
     performance: PerformanceConfig,
     world: int,
     aligned: bool = True,
+    token_cache: Path | None = None,
 ) -> PhaseSettings:
     """`name`'s settings from its sections of the config, for `world` processes; the student's dims and basis come
     with `Phase.use_student`. `aligned`: the student is in the teacher's space, so the alignment losses apply (not
     so for phase 2 where phase 1 has its own target, `phase1_teacher_model`: it distils similarities alone)."""
     batching = Batching(
-        t.batch_size, t.seed, performance.pad_to_multiple_of, performance.forward_chunks, t.max_tokens_per_batch
+        t.batch_size,
+        t.seed,
+        performance.pad_to_multiple_of,
+        performance.forward_chunks,
+        t.max_tokens_per_batch,
+        token_cache,
     )
     return PhaseSettings(
         name=name,
@@ -183,10 +193,13 @@ class Phase:
             return batch
         return {k: v @ basis if k.startswith("teacher") else v for k, v in batch.items()}
 
-    def _tokenizer(self, student: SentenceTransformer) -> partial[TokenizedTexts]:
+    def _tokenizer(self, student: SentenceTransformer) -> Callable[[list[str]], TokenizedTexts]:
+        """Texts tokenized as the student's kind batches them, once per machine (`cached_tokens`)."""
         return partial(
+            cached_tokens,
             kind_of(student).texts(student),
             student.tokenizer,
+            folder=self.batching.token_cache,
             max_length=student.max_seq_length,
             pad_to_multiple_of=self.batching.pad_to_multiple_of,
         )

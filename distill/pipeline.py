@@ -70,6 +70,7 @@ from distill.tracking import tracker_config
 
 logger = get_logger(__name__)
 NO_EVALUATION = "(no evaluation set)"
+TOKENS = "tokens"  # under --teacher_cache_dir: each machine's tokenized texts (distill/tokens.py)
 
 
 def run(config: Config) -> RunResults:
@@ -87,7 +88,8 @@ def run(config: Config) -> RunResults:
         teacher = teacher_stage(accelerator, config, data, costs)
     with stage("student"):
         model, dims, bases = student_stage(accelerator, config, data, teacher)
-        evaluation = eval_inputs(model.student, data, teacher.evaluation, bases["phase2"])
+        tokens = Path(config.output.teacher_cache_dir).expanduser() / TOKENS
+        evaluation = eval_inputs(model.student, data, teacher.evaluation, bases["phase2"], tokens)
     output_dir = prepare_output_dir(accelerator, config)  # inputs are valid: from here on the run writes
     accelerator.init_trackers(config.output.tracker_project, config=tracker_config(config))
     state = resume.state
@@ -134,6 +136,7 @@ def training_phases(config: Config, world: int) -> list[PhaseSettings]:
             config.performance,
             world,
             aligned=not (name == "phase2" and own_target),
+            token_cache=Path(config.output.teacher_cache_dir).expanduser() / TOKENS,
         )
         for name in PHASE_ORDER
         if not getattr(config.training, f"skip_{name}")

@@ -2,7 +2,8 @@
 
 Layout of `<teacher_cache_dir>/`:
 
-    <key>/{embeddings.npy, manifest.json}     an entry: float16 vectors and what they are
+    <key>/{embeddings.npy, manifest.json,     an entry: float16 vectors and what they are, and each row's text's
+           texts.npy}                         digest (so a run with other texts reuses the rows it shares)
     .<key>.partial-<host>/                     an encoding in progress or interrupted on <host>; its
                                                progress.json says how far it got, and a run with the same
                                                key on that host continues it
@@ -47,6 +48,8 @@ class TeacherDescription(Protocol):
 
 
 CACHE_FORMAT = 1
+TEXT_INDEX = "texts.npy"  # an entry's row -> its text's digest, so a run with other texts reuses its rows
+DIGEST_BYTES = 16
 
 
 CACHE_DTYPE = np.float16
@@ -120,8 +123,18 @@ class CacheWriter:
     keeps taking part in the gathers; `commit` returns the error message, or None once the entry is in place.
     """
 
-    def __init__(self, entry: Path, key: str, count: int, role: Role, spec: TeacherDescription):
+    def __init__(
+        self,
+        entry: Path,
+        key: str,
+        count: int,
+        role: Role,
+        spec: TeacherDescription,
+        index: np.ndarray | None = None,
+        model: str | None = None,
+    ):
         self.entry, self.key, self.count, self.role, self.spec = entry, key, count, role, spec
+        self.index, self.model = index, model  # each row's text digest, and the key of everything but the texts
         host = socket.gethostname()
         self.lock_path = lock_file(entry.parent, entry.name, host)
         self.lock = claim(self.lock_path)
@@ -190,7 +203,10 @@ class CacheWriter:
                     "revision": self.spec.revision,
                     "prompt": self.spec.prompt(self.role),
                     "max_seq_length": self.spec.max_seq_length,
+                    "model": self.model,  # entries of one model and role share it: their rows are found per text
                 }
+                if self.index is not None:
+                    np.save(self.staging / TEXT_INDEX, self.index.view(np.uint8).reshape(-1, DIGEST_BYTES))
                 (self.staging / "manifest.json").write_text(json.dumps(manifest, indent=2))
                 (self.staging / "progress.json").unlink(missing_ok=True)
                 if self.entry.exists():  # a corrupt entry: move it aside, then swap in the good one
@@ -226,6 +242,17 @@ class CacheWriter:
             f"writable, free space (python -m distill.cache prune --teacher_cache_dir {self.entry.parent} "
             "--unused_days 30 --dry_run lists what can go), or pass --teacher_cache_dir elsewhere"
         )
+
+
+def read_index(entry: Path, count: int) -> np.ndarray | None:
+    """An entry's text digests, one per row (numpy void of DIGEST_BYTES), or None where it keeps none."""
+    try:
+        index = np.load(entry / TEXT_INDEX, mmap_mode="r")
+    except (OSError, ValueError):
+        return None
+    if index.shape != (count, DIGEST_BYTES) or index.dtype != np.uint8:
+        return None
+    return np.ascontiguousarray(index).view(f"V{DIGEST_BYTES}").reshape(-1)
 
 
 def touch(entry: Path) -> None:

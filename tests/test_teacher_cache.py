@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -255,7 +256,7 @@ def test_no_temporary_folders_left(accelerator: Accelerator, tiny_models: dict[s
     assert [p.name for p in entries] == sorted([cache.key(texts, "document"), cache.key(texts, "query")])
     assert not [p for p in entries if p.name.startswith(".")]
     for entry in entries:
-        assert sorted(p.name for p in entry.iterdir()) == ["embeddings.npy", "manifest.json"]
+        assert sorted(p.name for p in entry.iterdir()) == ["embeddings.npy", "manifest.json", "texts.npy"]
 
 
 def test_manifest_records_what_was_computed(
@@ -525,7 +526,7 @@ def test_an_interrupted_encoding_is_continued_not_started_over(
     np.testing.assert_allclose(vectors, reference_embeddings(tiny_models["teacher"], texts), atol=2e-3)
     entries = cache_entries(cache_dir)
     assert [p.name for p in entries] == [cache.key(texts, "document")]  # staging renamed, lock file gone
-    assert sorted(p.name for p in entries[0].iterdir()) == ["embeddings.npy", "manifest.json"]
+    assert sorted(p.name for p in entries[0].iterdir()) == ["embeddings.npy", "manifest.json", "texts.npy"]
 
 
 def test_an_interrupted_encoding_is_listed_and_pruned_by_age(
@@ -783,6 +784,7 @@ def test_a_hit_needs_every_process_to_hit(
     texts = sentences(6, seed=8)
     make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache").embeddings(texts, "document")
     monkeypatch.setattr(teacher_module, "everyone", lambda accelerator, here: False)
+    monkeypatch.setattr(teacher_module, "agreed", lambda accelerator, held: np.zeros_like(held))  # nor its rows
     cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache")
     vectors = np.asarray(cache.embeddings(texts, "document"), dtype=np.float32)
     assert cache.loaded
@@ -816,8 +818,8 @@ hub.file_sha256 = file_sha256
 
 def read_entry(*args):
     calls.append(1)
-    if accelerator.process_index == 1 and len(calls) == 1:
-        return None  # this "machine" has no copy of the entry
+    if accelerator.process_index == 1 and len(calls) <= 2:
+        return None  # this "machine" has no copy of the entry: not for a hit, nor for its rows
     return real_read(*args)
 
 teacher_module.read_entry = read_entry
@@ -1095,3 +1097,118 @@ def test_two_processes_mine_their_shares_and_each_ends_with_every_queries_negati
     )
     for rank in (0, 1):
         np.testing.assert_array_equal(np.load(tmp_path / f"seen.{rank}.npy"), one)
+
+
+def encoded_texts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many texts each teacher forward pass encodes, filled in as they run."""
+    counts: list[int] = []
+    real = LocalTeacher.encoder
+
+    def spy(self, accelerator, texts, role):
+        encoder = real(self, accelerator, texts, role)
+        encode = encoder.encode
+
+        def counted(batch):
+            counts.append(len(batch["input_ids"]) if isinstance(batch, dict) else len(batch))
+            return encode(batch)
+
+        encoder.encode = counted
+        return encoder
+
+    monkeypatch.setattr(LocalTeacher, "encoder", spy)
+    return counts
+
+
+def test_new_texts_beside_cached_ones_are_the_only_ones_encoded(
+    accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A raised cap, a new seed's split, an added file: the texts an earlier entry of this teacher and role holds
+    are read from it, and only the others are encoded; the vectors are those of encoding every text afresh."""
+    counts = encoded_texts(monkeypatch)
+    texts = sentences(40, seed=21)
+    first = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache")
+    first.embeddings(texts[:30], "document")
+    assert sum(counts) == 30
+    counts.clear()
+    grown = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache")
+    shuffled = texts[35:] + texts[:10][::-1] + texts[30:35]  # 10 cached, 10 new, in another order
+    vectors = np.asarray(grown.embeddings(shuffled, "document"), dtype=np.float32)
+    assert sum(counts) == 10  # the new ones alone
+    assert len(committed_entries(tmp_path / "cache")) == 2  # the 10 new rows are kept once, in the new entry
+    np.testing.assert_allclose(vectors, reference_embeddings(tiny_models["teacher"], shuffled), atol=2e-3)
+    counts.clear()
+    again = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache")
+    subset = texts[5:25]
+    earlier = first.embeddings(texts[:30], "document")[5:25]
+    np.testing.assert_array_equal(again.embeddings(subset, "document"), earlier)
+    assert counts == []  # every row found: nothing encoded
+    make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache").embeddings(texts[:3], "query")
+    assert counts == []  # no query prompt: a query's vector is its document vector, the same rows
+    prompted = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache", prompt="query: ")
+    prompted.embeddings(texts[:3], "query")
+    assert sum(counts) == 3  # a prompt changes the vectors: none of the earlier rows is reused
+
+
+def test_entries_without_a_text_index_are_said_once_and_encoded_again(
+    accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    """Entries that keep no per-text index are read by a run with the same texts; a run with other texts says so
+    once and encodes its texts."""
+    texts = sentences(12, seed=22)
+    make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache").embeddings(texts, "document")
+    (entry,) = committed_entries(tmp_path / "cache")
+    (entry / "texts.npy").unlink()
+    manifest = json.loads((entry / "manifest.json").read_text())
+    del manifest["model"]
+    (entry / "manifest.json").write_text(json.dumps(manifest))
+    counts = encoded_texts(monkeypatch)
+    cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache")
+    cache.embeddings(texts, "document")
+    assert counts == []  # the same texts: its own key
+    with caplog.at_level(logging.WARNING):
+        cache.embeddings(texts[:6], "document")
+        cache.embeddings(texts[6:], "document")
+    assert sum(counts) == 12
+    said = [r for r in caplog.records if "keep no per-text index" in r.getMessage()]
+    assert len(said) == 1
+
+
+REUSED_ON_TWO_PROCESSES = """
+import json, sys
+from pathlib import Path
+from accelerate import Accelerator
+from distill.config import TeacherConfig
+from distill.stages.targets import TeacherCache
+from distill.teachers import TeacherContext
+from distill.teachers.local import LocalTeacher, TeacherSpec
+
+accelerator = Accelerator(cpu=True)
+teacher, cache_dir, texts_file, out = sys.argv[1:5]
+texts = json.loads(Path(texts_file).read_text())
+spec = TeacherSpec.from_config(TeacherConfig(teacher_model=teacher), TeacherContext(accelerator.device))
+encoded = []
+source = LocalTeacher(spec)
+real = source.encoder
+
+def counting(accelerator, batch_texts, role):
+    encoded.append(len(batch_texts))
+    return real(accelerator, batch_texts, role)
+
+source.encoder = counting
+cache = TeacherCache(accelerator, source, cache_dir, 4)
+cache.embeddings(texts[:20], "document")
+vectors = cache.embeddings(texts, "document")
+Path(f"{out}.{accelerator.process_index}").write_text(json.dumps([encoded, vectors.astype(float).tolist()]))
+"""
+
+
+@pytest.mark.multiprocess
+def test_two_processes_agree_on_the_rows_they_reuse(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """Both processes find the same earlier rows, encode the same new texts together, and end with one entry."""
+    texts = sentences(28, seed=23)
+    (tmp_path / "texts.json").write_text(json.dumps(texts))
+    run_on_two_processes(REUSED_ON_TWO_PROCESSES, tiny_models["teacher"], tmp_path / "cache", tmp_path)
+    seen = [json.loads((tmp_path / f"seen.{rank}").read_text()) for rank in (0, 1)]
+    assert seen[0][0] == seen[1][0] == [20, 8]  # the first list, then only the 8 new texts
+    np.testing.assert_array_equal(seen[0][1], seen[1][1])
+    np.testing.assert_allclose(seen[0][1], reference_embeddings(tiny_models["teacher"], texts), atol=2e-3)

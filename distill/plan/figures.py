@@ -10,9 +10,10 @@ from typing import Any
 from distill.config.schema import Config
 from distill.hub import ModelShape, config_folder, model_shape
 from distill.plan.devices import INTER_MACHINE_BYTES_PER_S, Device
+from distill.store import DIGEST_BYTES
 from distill.students.kinds import StudentFigures
 
-CACHE_ENTRY_OVERHEAD = 128 + 400  # an entry's .npy header and its manifest.json
+CACHE_ENTRY_OVERHEAD = 2 * 128 + 400  # an entry's two .npy headers and its manifest.json
 # A checkpoint's files besides the weights and AdamW's moments: RNG states, the scheduler, state.json (about 25 KB),
 # and the optimizer's pickle, about 1.4 KB per parameter tensor (measured on the tiny test models).
 CHECKPOINT_FIXED_BYTES, CHECKPOINT_BYTES_PER_TENSOR = 25_000, 1_400
@@ -99,7 +100,7 @@ def teacher_figures(
     combined = 1 if len(models.teachers) > 1 else 0
     cache = sum(
         t.count * 2 * (sum(s.dim for s in models.encoders(t.phase)) + combined * models.teacher_dim)
-        + CACHE_ENTRY_OVERHEAD
+        + (t.count * DIGEST_BYTES + CACHE_ENTRY_OVERHEAD) * (len(models.encoders(t.phase)) + combined)
         for t in measured
     )
     return flops, flops / (processes * device.teacher_rate), peak, cache

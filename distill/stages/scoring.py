@@ -9,6 +9,7 @@ vectors, in the same way, so its row costs no model at all.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,7 @@ from distill.stages.initialise import encode_student
 from distill.students import kind_of
 from distill.students.head import DistillationModel
 from distill.students.kinds import StudentDescription
+from distill.tokens import cached_tokens
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -110,19 +112,16 @@ def eval_inputs(
     data: DistillData,
     teacher: EvalVectors | None,
     basis: np.ndarray | None = None,
+    token_cache: Path | None = None,
 ) -> EvalInputs | None:
-    """The evaluation set tokenized for the student, with the teacher's vectors of it; None without one."""
+    """The evaluation set tokenized for the student (once per machine, into `token_cache`), with the teacher's
+    vectors of it; None without one."""
     if data.evaluation is None or teacher is None:
         return None
-    e, tok, length, texts = data.evaluation, student.tokenizer, student.max_seq_length, kind_of(student).texts(student)
-    return EvalInputs(
-        e,
-        texts(tok, e.queries, length),
-        texts(tok, e.corpus, length),
-        texts(tok, e.sts_texts, length) if e.sts_texts else None,
-        teacher,
-        basis,
-    )
+    e, make = data.evaluation, kind_of(student).texts(student)
+    texts = partial(cached_tokens, make, student.tokenizer, folder=token_cache, max_length=student.max_seq_length)
+    sts = texts(e.sts_texts) if e.sts_texts else None
+    return EvalInputs(e, texts(e.queries), texts(e.corpus), sts, teacher, basis)
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -32,14 +33,25 @@ from accelerate.logging import get_logger
 
 from distill.allocator import release_freed_memory
 from distill.config.schema import TeacherConfig
-from distill.distributed import everyone, main_decides, progress_bar, smallest, writes_for_this_machine
+from distill.distributed import agreed, everyone, main_decides, progress_bar, smallest, writes_for_this_machine
 from distill.errors import DistillError
 from distill.sharding import map_sharded
 from distill.stages.cost import CostTexts, ModelCost, TeacherCosts, device_label
 from distill.stages.data import DistillData, EvalSet, EvalVectors, passage_texts
 from distill.stages.negatives import mined_negatives
-from distill.store import CACHE_FORMAT, CacheWriter, Role, read_entry, touch
+from distill.store import (
+    CACHE_FORMAT,
+    DIGEST_BYTES,
+    KEY,
+    CacheWriter,
+    Role,
+    read_entry,
+    read_index,
+    read_json_or_empty,
+    touch,
+)
 from distill.teachers import CachedSource, Encoder, Source, TeacherContext, make_source, members_of
+from distill.tokens import texts_fingerprint
 
 logger = get_logger(__name__)
 
@@ -47,13 +59,81 @@ logger = get_logger(__name__)
 BLOCK_ROWS_PER_PROCESS = 16384  # texts each process encodes between two progress marks: what a kill can cost
 
 
-def texts_fingerprint(texts: list[str]) -> str:
-    digest = hashlib.sha256()
-    for text in texts:
-        encoded = text.encode("utf8")
-        digest.update(len(encoded).to_bytes(8, "little"))  # length prefix: ["ab","c"] != ["a","bc"]
-        digest.update(encoded)
-    return digest.hexdigest()
+REUSE_CHUNK = 65536  # rows copied at once from an earlier entry into a new one
+
+
+def digest(fields: dict[str, object]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def text_digests(texts: list[str]) -> np.ndarray:
+    """Each text's 16-byte BLAKE2b digest, as numpy void: what an entry's per-text index holds."""
+    raw = b"".join(hashlib.blake2b(text.encode("utf8"), digest_size=DIGEST_BYTES).digest() for text in texts)
+    return np.frombuffer(raw, dtype=f"V{DIGEST_BYTES}")
+
+
+@dataclass
+class FoundRows:
+    """Where earlier entries of one model and role hold the texts asked for: `entry[i]` indexes `vectors` (-1: none
+    holds text i), `row[i]` is its row there; `unindexed` entries of the teacher keep no per-text index."""
+
+    vectors: list[np.ndarray]
+    entry: np.ndarray
+    row: np.ndarray
+    unindexed: int = 0
+
+    def sources(self, held: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(an entry's vectors, the texts to take from it) for each entry that holds some of the `held` texts."""
+        for number, vectors in enumerate(self.vectors):
+            texts = np.flatnonzero(held & (self.entry == number))
+            if len(texts):
+                yield vectors, texts
+
+
+def find_rows(cache_dir: Path, model: str, digests: np.ndarray, teacher: str = "", role: str = "") -> FoundRows:
+    """The rows of `digests`' texts in the entries under `cache_dir` whose manifest names `model`, newest first;
+    and how many entries of `teacher` and `role` keep no per-text index.
+
+    Each entry's index is sorted once and searched (numpy's `searchsorted`), so finding n texts among m costs
+    O((n + m) log m) and holds the m digests, not a dictionary of texts.
+    """
+    found = FoundRows([], np.full(len(digests), -1, dtype=np.int32), np.full(len(digests), -1, dtype=np.int64))
+    if not cache_dir.is_dir():
+        return found
+    entries = []
+    for path in cache_dir.iterdir():
+        if not KEY.fullmatch(path.name) or not (path / "manifest.json").is_file():
+            continue
+        manifest = read_json_or_empty(path / "manifest.json")
+        if manifest.get("model") == model:
+            entries.append((path.stat().st_mtime, path, manifest))
+        elif "model" not in manifest and (manifest.get("teacher"), manifest.get("role")) == (teacher, role):
+            found.unindexed += 1
+    for _, path, manifest in sorted(entries, key=lambda item: item[0], reverse=True):
+        todo = np.flatnonzero(found.entry < 0)
+        vectors, index = read_entry(path, path.name, manifest.get("count", -1)), read_index(path, manifest["count"])
+        if not len(todo) or vectors is None or index is None:
+            continue
+        order = np.argsort(index, kind="stable")
+        ranked = index[order]
+        at = np.minimum(np.searchsorted(ranked, digests[todo]), len(ranked) - 1)
+        hit = ranked[at] == digests[todo]
+        found.entry[todo[hit]] = len(found.vectors)
+        found.row[todo[hit]] = order[at[hit]]
+        found.vectors.append(vectors)
+    return found
+
+
+def copy_rows(
+    writer: CacheWriter, vectors: np.ndarray, rows: np.ndarray, texts: np.ndarray, at_rows: bool = True
+) -> None:
+    """`vectors`' rows into `writer` at `texts`: row `rows[t]` of each text t (with `at_rows`), else row i of the
+    i-th text, REUSE_CHUNK at a time."""
+    for start in range(0, len(texts), REUSE_CHUNK):
+        chunk = texts[start : start + REUSE_CHUNK]
+        picked = rows[chunk] if at_rows else rows[start : start + REUSE_CHUNK]
+        order = np.argsort(picked, kind="stable")  # a memory map reads sorted rows fastest
+        writer.write(chunk[order], np.asarray(vectors[picked[order]]))
 
 
 class TeacherCache:
@@ -66,21 +146,28 @@ class TeacherCache:
         self.batch_size = batch_size
         self.seconds = 0.0  # wall time spent loading the teacher and encoding
         self._identity: str | None = None
+        self._said_unindexed = False
 
     def key(self, texts: list[str], role: Role) -> str:
+        """The entry of these texts: everything that changes the vectors, and the texts."""
+        return digest({**self._fields(role), "texts": texts_fingerprint(texts)})
+
+    def model_key(self, role: Role) -> str:
+        """What every entry of this teacher and role shares: everything that changes the vectors but the texts."""
+        return digest(self._fields(role))
+
+    def _fields(self, role: Role) -> dict[str, object]:
         if self._identity is None:
             memo = self.cache_dir.parent / f"{self.cache_dir.name}-fingerprints.json"  # beside the entries
             self._identity = self.source.identity(self.accelerator, memo)
-        fields = {
-            "format": CACHE_FORMAT,
-            "model": self._identity,
-            **self.source.key_fields(role),
-            "texts": texts_fingerprint(texts),
-        }
-        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+        return {"format": CACHE_FORMAT, "model": self._identity, **self.source.key_fields(role)}
 
-    def embeddings(self, texts: list[str], role: Role) -> np.ndarray:
-        """(len(texts), teacher_dim) float16, memory-mapped read-only; computed on a miss."""
+    def embeddings(self, texts: list[str], role: Role, reuse: bool = True) -> np.ndarray:
+        """(len(texts), teacher_dim) float16, memory-mapped read-only; computed on a miss.
+
+        On a miss, the rows other entries of this teacher and role hold are reused (`reuse`), and only the texts
+        none holds are encoded (`reuse_rows`).
+        """
         key = self.key(texts, role)
         entry = self.cache_dir / key
         cached = read_entry(entry, key, len(texts))
@@ -92,8 +179,12 @@ class TeacherCache:
                 touch(entry)  # its last use, for `python -m distill.cache prune --unused_days`
             logger.info(f"teacher cache: {len(texts):,} {role} texts found in {entry}")
             return cached
-        logger.info(f"teacher cache: {len(texts):,} {role} texts not cached; encoding them into {entry}")
         cached = None  # the memory map is dropped before the writer replaces the entry
+        if reuse:
+            assembled = self._reuse_rows(texts, role, key)
+            if assembled is not None:
+                return assembled
+        logger.info(f"teacher cache: {len(texts):,} {role} texts not cached; encoding them into {entry}")
         if entry.exists() and not here:
             logger.warning(
                 f"teacher cache entry {entry} is incomplete or corrupt; rebuilding it", main_process_only=True
@@ -102,8 +193,7 @@ class TeacherCache:
         started = time.perf_counter()
         # Only one process per machine writes; the others gather the same chunks and drop them, so no rank
         # ever holds all the vectors in memory.
-        machine = writes_for_this_machine(self.accelerator)
-        writer = CacheWriter(entry, key, len(texts), role, self.source) if machine else None
+        writer = self._writer(entry, key, texts, role)
         try:
             self._encode_sharded(texts, role, writer)
         except BaseException:
@@ -111,17 +201,69 @@ class TeacherCache:
                 writer.close()  # the staging folder stays for the next run to continue from
             raise
         self.seconds += time.perf_counter() - started
+        return self._committed(writer, entry, key, len(texts))
+
+    def _writer(self, entry: Path, key: str, texts: list[str], role: Role) -> CacheWriter | None:
+        """The writer of `entry` on this machine's writing process (None on the others), with each text's digest."""
+        if not writes_for_this_machine(self.accelerator):
+            return None
+        return CacheWriter(entry, key, len(texts), role, self.source, text_digests(texts), self.model_key(role))
+
+    def _committed(self, writer: CacheWriter | None, entry: Path, key: str, count: int) -> np.ndarray:
+        """The entry, committed by its writer and read back by every process."""
         problem = writer.commit() if writer else None  # an error is raised after the barrier: nobody waits alone
         self.accelerator.wait_for_everyone()
         if problem:
             raise DistillError(problem)
-        cached = read_entry(entry, key, len(texts))
+        cached = read_entry(entry, key, count)
         if cached is None:
             raise DistillError(
                 f"teacher cache entry {entry} could not be read back after writing; check that "
                 f"{self.cache_dir} is writable and not full (or pass --teacher_cache_dir elsewhere)"
             )
         return cached
+
+    def _reuse_rows(self, texts: list[str], role: Role, key: str) -> np.ndarray | None:
+        """The entry of `texts` put together from the rows other entries of this teacher and role hold, the texts
+        none holds encoded first (as an entry of their own); None where no entry holds any of them.
+
+        A text counts as held only where every machine holds it, so every process encodes the same texts. The
+        entry is copied together on each machine by its writing process, REUSE_CHUNK rows at a time.
+        """
+        found = find_rows(self.cache_dir, self.model_key(role), text_digests(texts), self.source.path, role)
+        self._say_unindexed(found.unindexed)
+        held = agreed(self.accelerator, found.entry >= 0)
+        if not held.any():
+            return None
+        missing = np.flatnonzero(~held)
+        entry = self.cache_dir / key
+        logger.info(
+            f"teacher cache: {int(held.sum()):,} of {len(texts):,} {role} texts found in earlier entries; "
+            f"encoding the other {len(missing):,}, then writing {entry}"
+        )
+        encoded = self.embeddings([texts[i] for i in missing], role, reuse=False) if len(missing) else None
+        self.accelerator.wait_for_everyone()  # every rank has decided before the writer replaces anything
+        started = time.perf_counter()
+        writer = self._writer(entry, key, texts, role)
+        if writer is not None:
+            for source, rows_here in found.sources(held):
+                copy_rows(writer, source, found.row, rows_here)
+            if encoded is not None:
+                copy_rows(writer, encoded, np.arange(len(missing)), missing, at_rows=False)
+        self.seconds += time.perf_counter() - started
+        assembled = self._committed(writer, entry, key, len(texts))
+        if writer is not None and len(missing):  # its rows are in the new entry now: no second copy on disk
+            shutil.rmtree(self.cache_dir / self.key([texts[i] for i in missing], role), ignore_errors=True)
+        return assembled
+
+    def _say_unindexed(self, count: int) -> None:
+        if count and not self._said_unindexed:
+            self._said_unindexed = True
+            logger.warning(
+                f"teacher cache: {count} entries of this teacher keep no per-text index (written by an earlier "
+                "distill); their rows are read only by a run with the same texts, and other runs encode them again",
+                main_process_only=True,
+            )
 
     def _encode_sharded(self, texts: list[str], role: Role, writer: CacheWriter | None) -> None:
         """Each process encodes its share of the texts, block by block, longest first, into `writer`.

@@ -101,7 +101,7 @@ class VectorsTeacher:
         filled = None
         if len(missing) and self.fill is None:
             raise DistillError(
-                f"teacher_vectors: {len(missing):,} of the {len(texts):,} {role} texts of this run are not in "
+                f"teacher_vectors: {len(missing):,} {role} texts of this run are not in "
                 f"{self.file} (the first: {texts[missing[0]][:60]!r}); add their vectors to the file, or pass "
                 "--teacher_model to encode them"
             )
