@@ -1,18 +1,8 @@
 """The teacher cache's upkeep: what is in it, and what no run can use again removed (distill/store.py writes it).
 
-Layout of `<teacher_cache_dir>/`:
-
-    <key>/{embeddings.npy, manifest.json}     an entry: float16 vectors and what they are
-    .<key>.partial-<host>/                     an encoding in progress or interrupted on <host>; its
-                                               progress.json says how far it got, and a run with the same
-                                               key on that host continues it
-    .<key>.lock-<host>                         held (flock) by the run writing that partial folder
-    .<key>.tmp-<host>-<pid>/                   staging of a run that could not take the lock; never resumed
-    .<key>.stale-<pid>/                        a corrupt entry moved aside while its replacement goes in
-
-Entries appear by a rename, whole or not at all. A run that reads an entry refreshes its manifest's
-modification time, which is what `prune --unused_days` goes by. How the key is made and the vectors
-computed is the teacher stage's business (distill/stages/targets.py).
+It reads the layout distill/store.py writes (entries, staging folders, locks). A run that reads an entry
+refreshes its manifest's modification time, which is what `prune --unused_days` goes by. How the key is made and
+the vectors computed is the teacher stage's business (distill/stages/targets.py).
 
     python -m distill.cache list  [--teacher_cache_dir DIR | --config FILE]
     python -m distill.cache prune [--teacher_cache_dir DIR | --config FILE] [--unused_days N] [--dry_run]

@@ -862,7 +862,7 @@ def run_on_two_processes(driver: str, teacher: Path, cache_dir: Path, tmp_path: 
     """Run `driver` (a script) under torchrun on 2 gloo processes with (teacher, cache, texts.json, seen prefix)."""
     # every driver ends its group before the interpreter exits: gloo's threads torn down at exit can abort it
     end = "\nimport torch.distributed\nif torch.distributed.is_initialized():\n"
-    end += "    torch.distributed.destroy_process_group()\n"
+    end += "    torch.distributed.barrier()\n    torch.distributed.destroy_process_group()\n"  # both done, then ended
     (tmp_path / "driver.py").write_text(driver + end)
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, HF_HUB_OFFLINE="1", ACCELERATE_USE_CPU="true", PYTHONPATH=str(repo))

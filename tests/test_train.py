@@ -593,7 +593,7 @@ def test_mined_hard_negatives_join_phase_two_without_re_encoding(tiny_models, ti
     pairs.write_text("".join(json.dumps({"query": r["query"], "passage": r["passage"]}) + "\n" for r in rows))
     flags = tiny_run_flags(tiny_models, tiny_data, out, phase2_data=pairs, mine_hard_negatives=2, skip_phase1=True)
     assert main(flags) == 0
-    cache_entries = [p for p in (out / "cache").iterdir() if p.is_dir() and not p.name.startswith(".")]
+    cache_entries = [p for p in (out / "cache").iterdir() if (p / "manifest.json").is_file()]
     counts = [json.loads((p / "manifest.json").read_text())["count"] for p in cache_entries]
     train_pairs = len(rows) - 16  # 16 pairs are held out for evaluation
     assert train_pairs in counts and 3 * train_pairs not in counts  # negatives reuse passages: nothing re-encoded
