@@ -860,9 +860,10 @@ def free_port() -> int:
 
 def run_on_two_processes(driver: str, teacher: Path, cache_dir: Path, tmp_path: Path) -> None:
     """Run `driver` (a script) under torchrun on 2 gloo processes with (teacher, cache, texts.json, seen prefix)."""
-    # every driver ends its group before the interpreter exits: gloo's threads torn down at exit can abort it
-    end = "\nimport torch.distributed\nif torch.distributed.is_initialized():\n"
-    end += "    torch.distributed.barrier()\n    torch.distributed.destroy_process_group()\n"  # both done, then ended
+    # every driver ends its group before the interpreter exits, then says it got there
+    end = "\nimport os, torch.distributed\nif torch.distributed.is_initialized():\n"
+    end += "    torch.distributed.barrier()\n    torch.distributed.destroy_process_group()\n"
+    end += f"open({str(tmp_path / 'finished')!r} + '.' + os.environ['RANK'], 'w').close()\n"
     (tmp_path / "driver.py").write_text(driver + end)
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, HF_HUB_OFFLINE="1", ACCELERATE_USE_CPU="true", PYTHONPATH=str(repo))
@@ -876,7 +877,11 @@ def run_on_two_processes(driver: str, teacher: Path, cache_dir: Path, tmp_path: 
         text=True,
         timeout=300,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    finished = all((tmp_path / f"finished.{rank}").exists() for rank in (0, 1))
+    # On a loaded machine a gloo process can abort in the interpreter's teardown ("terminate called without an
+    # active exception"), after the driver's last line: that abort is the interpreter's, not the code's under test.
+    torn_down = finished and "terminate called without an active exception" in done.stderr
+    assert done.returncode == 0 or torn_down, done.stderr[-3000:]
 
 
 def saved_copy(model: Path, folder: Path, edit: Callable[[object], object]) -> Path:
