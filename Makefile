@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast lint bench bench-gpu gpu-check clean quality
+.PHONY: setup demo test test-fast lint bench bench-gpu bench-scale gpu-check clean quality
 
 setup: $(STAMP)
 
@@ -61,6 +61,10 @@ lint: $(STAMP)
 
 # The toolkit against sentence-transformers' recipe and a bare loop, plus --memory and --scaling
 # (about 1.5 h on 2 CPU cores on tcmalloc; run it on a quiet machine). Writes runs/bench/BENCHMARKS.md.
+# seconds and memory to the first training step at 125k to 1M texts: cold, rerun, 2 processes (about 10 min)
+bench-scale: $(STAMP)
+	$(BIN)/python bench/scale.py
+
 bench: $(ALLOCATOR)
 	$(BIN)/python bench/run.py --all $(BENCH_FLAGS)
 

@@ -1,0 +1,119 @@
+"""Seconds and memory to a run's first training step, as the corpus grows: cold, rerun, and on two processes.
+
+    python bench/scale.py [--sizes 125000,250000,500000,1000000] [--workdir runs/bench-scale]
+
+The run: a synthetic corpus of texts about 60 tokens long, a `.npy` vectors teacher (384-d), a 1-layer MiniLM
+student, `--max_seq_length 64 --batch_size 256`, phase 1 only. For each size it runs the toolkit three times:
+
+- cold: an empty teacher cache (the vectors are read into it, the texts tokenized);
+- rerun: the same command again, every cache warm;
+- rerun on 2 processes (`accelerate_configs/cpu_2proc.yaml`).
+
+Each process stops at its first training step and records the seconds since the command started and its peak RSS
+(VmHWM) and PSS (shared pages counted once). The table sums them over the processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+DRIVER = """
+import json, os, sys, time
+import distill.loop as loop
+
+def first_step(*args, **kwargs):
+    status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+    pss = sum(int(line.split()[1]) for line in open("/proc/self/smaps_rollup") if line.startswith("Pss:"))
+    figures = {"seconds": time.time() - float(os.environ["BENCH_STARTED"]),
+               "peak_rss": int(status["VmHWM"].split()[0]) * 1024, "pss": pss * 1024}
+    Path = __import__("pathlib").Path
+    Path(os.environ["BENCH_OUT"] + "." + os.environ.get("RANK", "0")).write_text(json.dumps(figures))
+    os._exit(0)  # the first step is what is measured: no need to train
+
+loop.train_step = first_step
+from distill.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+WORDS = (
+    "river stone city north built old road water field king house light wind winter bridge market tower "
+    "forest valley church island harbour garden mountain village wall gate morning evening summer"
+).split()
+
+
+def corpus(folder: Path, size: int) -> tuple[Path, Path]:
+    """`size` distinct texts of about 60 tokens (one per line) and 384-d unit vectors beside them."""
+    texts_file, vectors_file = folder / f"texts-{size}.txt", folder / f"vectors-{size}.npy"
+    if texts_file.exists() and vectors_file.exists():
+        return texts_file, vectors_file
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(size)
+    words = np.asarray(WORDS)[rng.integers(0, len(WORDS), (size, 52))]
+    lines = [" ".join(row) + f" number {i}" for i, row in enumerate(words)]
+    texts_file.write_text("\n".join(lines) + "\n")
+    vectors = rng.standard_normal((size, 384)).astype(np.float32)
+    np.save(vectors_file, vectors / np.linalg.norm(vectors, axis=1, keepdims=True))
+    shutil.copy(texts_file, vectors_file.with_suffix(".txt"))  # the vectors file's own texts, beside it
+    return texts_file, vectors_file
+
+
+def run(workdir: Path, size: int, texts: Path, vectors: Path, processes: int, name: str) -> dict:
+    """One run to its first step; the figures of its processes, summed (seconds: the slowest)."""
+    out = workdir / f"{size}-{name}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    (out / "driver.py").write_text(DRIVER)
+    flags = ["--teacher_vectors", str(vectors), "--student_model", "sentence-transformers/all-MiniLM-L6-v2"]
+    flags += ["--student_num_layers", "1", "--phase1_data", str(texts), "--eval_data", "none", "--skip_phase2"]
+    flags += ["--max_seq_length", "64", "--batch_size", "256", "--efficiency_texts", "0", "--log_with", "none"]
+    flags += ["--output_dir", str(out / "run"), "--teacher_cache_dir", str(workdir / f"cache-{size}")]
+    launcher = [sys.executable]
+    if processes > 1:
+        launcher += [
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(REPO / "accelerate_configs/cpu_2proc.yaml"),
+        ]
+    env = dict(os.environ, BENCH_STARTED=str(time.time()), BENCH_OUT=str(out / "first-step"), HF_HUB_OFFLINE="1")
+    done = subprocess.run([*launcher, str(out / "driver.py"), *flags], env=env, capture_output=True, text=True)
+    found = [json.loads(p.read_text()) for p in sorted(out.glob("first-step.*"))]
+    if len(found) != processes:
+        raise SystemExit(f"{size} {name}: {len(found)} of {processes} processes reached a step\n{done.stderr[-3000:]}")
+    return {
+        "seconds": max(f["seconds"] for f in found),
+        "peak_rss": sum(f["peak_rss"] for f in found),
+        "pss": sum(f["pss"] for f in found),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="125000,250000,500000,1000000")
+    parser.add_argument("--workdir", type=Path, default=Path("runs/bench-scale"))
+    args = parser.parse_args()
+    rows = []
+    for size in (int(s) for s in args.sizes.split(",")):
+        texts, vectors = corpus(args.workdir / "data", size)
+        shutil.rmtree(args.workdir / f"cache-{size}", ignore_errors=True)
+        for name, processes in (("cold", 1), ("rerun", 1), ("rerun, 2 processes", 2)):
+            figures = run(args.workdir, size, texts, vectors, processes, name.replace(", ", "-").replace(" ", "-"))
+            rows.append((size, name, figures))
+            print(f"{size:,} {name}: {figures}", file=sys.stderr)
+    print("| corpus | run | seconds to the first step | peak RSS before it | PSS at it |\n|---|---|---:|---:|---:|")
+    for size, name, figures in rows:
+        rss, pss = figures["peak_rss"] / 2**30, figures["pss"] / 2**30
+        print(f"| {size:,} | {name} | {figures['seconds']:.0f} | {rss:.2f} GiB | {pss:.2f} GiB |")
+
+
+if __name__ == "__main__":
+    main()
