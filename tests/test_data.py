@@ -548,9 +548,13 @@ def test_without_a_cap_a_run_reads_all_of_its_data_and_a_reached_cap_says_so(
     assert lines == [
         f"phase-1 data {str(texts)!r}: stopped reading at 1,000 texts (--max_samples_phase1); the source holds more: "
         "drop the option to train on all of them",
-        f"phase-2 data {str(pairs)!r}: stopped reading at 2,050 pairs (--max_samples_phase2); the source holds more: "
-        "drop the option to train on all of them",
+        f"phase-2 data {str(pairs)!r}: stopped reading at 2,000 pairs (--max_samples_phase2), and 50 held out for "
+        "evaluation; the source holds more: drop the option to train on all of them",
     ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # phase 2 skipped: its pairs are read for the held-out queries only
+        assert load_data(capped, seed=0, need_phase2=False).capped == {"max_samples_phase1": 1_000}
+    assert not [r for r in caplog.records if "phase-2 data" in r.getMessage()]
     caplog.clear()
     roomy = DataConfig(**{**vars(config), "max_samples_phase1": 15_000})  # exactly the source: nothing left out
     with caplog.at_level(logging.WARNING):

@@ -145,6 +145,10 @@ def load_data(config: DataConfig, seed: int, need_phase1: bool = True, need_phas
     if not need_phase2:
         phase2 = Pairs([], [])
         capped.pop("max_samples_phase2", None)  # read for the held-out queries only
+    if "max_samples_phase2" in capped:
+        besides = f", and {holdout:,} held out for evaluation" if holdout else ""
+        what, cap = f"phase-2 data {config.phase2_data!r}", capped["max_samples_phase2"]
+        report_cap(what, "pairs", "max_samples_phase2", cap, None, besides=besides)
     elif config.max_samples_phase2 is not None and len(phase2) > config.max_samples_phase2:
         phase2 = Pairs(*(column[: config.max_samples_phase2] for column in _columns(phase2)))
     return DistillData(phase1, phase2, evaluation, capped)
@@ -232,7 +236,8 @@ def _clean_pairs(
     bad = duplicates = short = 0
     for query, passage, negatives in rows:
         if limit is not None and len(kept) >= limit:
-            report_cap(f"phase-2 data {source!r}", "pairs", "max_samples_phase2", limit, capped)
+            # said by `load_data`, which knows the cap apart from the held-out queries, and whether phase 2 trains
+            report_cap(f"phase-2 data {source!r}", "pairs", "max_samples_phase2", limit, capped, say=capped is None)
             break
         if len(negatives) < count:
             short += 1
@@ -276,14 +281,18 @@ def clean_texts(
     return kept
 
 
-def report_cap(what: str, unit: str, option: str, limit: int, capped: dict[str, int] | None) -> None:
-    """One line: the source holds more than the cap let in (recorded in `capped` too, where given)."""
+def report_cap(
+    what: str, unit: str, option: str, limit: int, capped: dict[str, int] | None, say: bool = True, besides: str = ""
+) -> None:
+    """One line (with `say`): the source holds more than the cap let in, `besides` what else was read; recorded in
+    `capped` too, where given."""
     if capped is not None:
         capped[option] = limit
-    warn(
-        f"{what}: stopped reading at {limit:,} {unit} (--{option}); the source holds more: drop the option to "
-        "train on all of them",
-    )
+    if say:
+        warn(
+            f"{what}: stopped reading at {limit:,} {unit} (--{option}){besides}; the source holds more: drop the "
+            "option to train on all of them",
+        )
 
 
 def _normalized_unique(texts: Iterable[Any], limit: int | None = None) -> tuple[list[str], int, int, bool]:
