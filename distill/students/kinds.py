@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from distill.registry import Registry
+
 if TYPE_CHECKING:
     import torch
     from sentence_transformers import SentenceTransformer
@@ -128,21 +130,10 @@ class StudentKind:
         return None
 
 
-KINDS: list[StudentKind] = []
-
-
-def register_student_kind(kind: StudentKind) -> StudentKind:
-    """Add a kind; it is asked before the ones registered earlier (the transformer, which claims any name, last)."""
-    KINDS.insert(0, kind)
-    return kind
-
-
-def student_kind(name: str) -> StudentKind:
-    """The kind of student --student_model names."""
-    for kind in KINDS:
-        if kind.claims(name):
-            return kind
-    raise ValueError(f"no student kind claims {name!r}")  # the transformer claims every name
+REGISTRY: Registry[StudentKind] = Registry("student")
+KINDS = REGISTRY.kinds  # newest first
+register_student_kind = REGISTRY.register  # a kind registered later is asked first
+student_kind = REGISTRY.claiming  # the kind of student a --student_model name is
 
 
 def kind_of(model: SentenceTransformer) -> StudentKind:

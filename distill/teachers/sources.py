@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from distill.registry import Registry
+
 if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
@@ -149,18 +151,7 @@ class TeacherKind:
         return None
 
 
-KINDS: list[TeacherKind] = []
-
-
-def register_teacher_kind(kind: TeacherKind) -> TeacherKind:
-    """Add a kind; it is asked before the ones registered earlier (the local model, which claims any name, last)."""
-    KINDS.insert(0, kind)
-    return kind
-
-
-def teacher_kind(name: str) -> TeacherKind:
-    """The kind of teacher one --teacher_model name is."""
-    for kind in KINDS:
-        if kind.claims(name):
-            return kind
-    raise ValueError(f"no teacher kind claims {name!r}")  # the local model claims every name
+REGISTRY: Registry[TeacherKind] = Registry("teacher")
+KINDS = REGISTRY.kinds  # newest first
+register_teacher_kind = REGISTRY.register  # a kind registered later is asked first
+teacher_kind = REGISTRY.claiming  # the kind of teacher a --teacher_model name is
