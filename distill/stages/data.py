@@ -145,12 +145,12 @@ def load_data(config: DataConfig, seed: int, need_phase1: bool = True, need_phas
     if not need_phase2:
         phase2 = Pairs([], [])
         capped.pop("max_samples_phase2", None)  # read for the held-out queries only
+    elif config.max_samples_phase2 is not None and len(phase2) > config.max_samples_phase2:
+        phase2 = Pairs(*(column[: config.max_samples_phase2] for column in _columns(phase2)))
     if "max_samples_phase2" in capped:
         besides = f", and {holdout:,} held out for evaluation" if holdout else ""
         what, cap = f"phase-2 data {config.phase2_data!r}", capped["max_samples_phase2"]
         report_cap(what, "pairs", "max_samples_phase2", cap, None, besides=besides)
-    elif config.max_samples_phase2 is not None and len(phase2) > config.max_samples_phase2:
-        phase2 = Pairs(*(column[: config.max_samples_phase2] for column in _columns(phase2)))
     return DistillData(phase1, phase2, evaluation, capped)
 
 
