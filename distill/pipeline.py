@@ -85,7 +85,7 @@ def run(config: Config) -> RunResults:
         check_phase_sizes(phases, data, config.training.batch_size, accelerator.num_processes)
     costs = CostTexts.from_data(data, config.output.efficiency_texts, config.training.batch_size, config.training.seed)
     with stage("teacher"):  # the teacher's own cost is measured while it is loaded: it is never loaded twice
-        teacher = teacher_stage(accelerator, config, data, costs)
+        teacher = teacher_stage(accelerator, config, data, costs, student)
     with stage("student"):
         model, dims, bases = student_stage(accelerator, config, data, teacher)
         tokens = Path(config.output.teacher_cache_dir).expanduser() / TOKENS
@@ -143,11 +143,14 @@ def training_phases(config: Config, world: int) -> list[PhaseSettings]:
     ]
 
 
-def teacher_context(config: Config, device: torch.device | str) -> TeacherContext:
+def teacher_context(
+    config: Config, device: torch.device | str, student: StudentDescription | None = None
+) -> TeacherContext:
     """What the teacher takes from the rest of the run: the token limit, --max_seq_length or else the student's own
-    as its kind reports it (a table reads every token: the teacher reads up to its own), the trust flag, the
-    request size."""
-    student = student_kind(config.student.student_model).describe(config.student, config.teacher)
+    as its kind reports it (`student`, described here if not given; a table reads every token: the teacher reads up
+    to its own), the trust flag, the request size."""
+    if student is None:
+        student = student_kind(config.student.student_model).describe(config.student, config.teacher)
     return TeacherContext(
         device,
         student_tokens=config.student.max_seq_length or student.token_limit,
@@ -158,10 +161,14 @@ def teacher_context(config: Config, device: torch.device | str) -> TeacherContex
 
 
 def teacher_stage(
-    accelerator: Accelerator, config: Config, data: DistillData, costs: CostTexts | None
+    accelerator: Accelerator,
+    config: Config,
+    data: DistillData,
+    costs: CostTexts | None,
+    student: StudentDescription,
 ) -> TeacherVectors:
     """The teacher stage, given its own sections: the teacher's, what it takes from the student, and its cache's."""
-    context = teacher_context(config, accelerator.device)
+    context = teacher_context(config, accelerator.device, student)
     batch_size = config.performance.teacher_batch_size or config.training.batch_size
     cache = CacheSettings(config.output.teacher_cache_dir, batch_size, config.data.mine_hard_negatives)
     return embed_with_teacher(accelerator, config.teacher, context, cache, data, costs)

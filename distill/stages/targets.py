@@ -111,8 +111,10 @@ def find_rows(cache_dir: Path, model: str, digests: np.ndarray, teacher: str = "
             found.unindexed += 1
     for _, path, manifest in sorted(entries, key=lambda item: item[0], reverse=True):
         todo = np.flatnonzero(found.entry < 0)
+        if not len(todo):
+            break  # every text found: the older entries are not read
         vectors, index = read_entry(path, path.name, manifest.get("count", -1)), read_index(path, manifest["count"])
-        if not len(todo) or vectors is None or index is None:
+        if vectors is None or index is None:
             continue
         order = np.argsort(index, kind="stable")
         ranked = index[order]
@@ -124,14 +126,10 @@ def find_rows(cache_dir: Path, model: str, digests: np.ndarray, teacher: str = "
     return found
 
 
-def copy_rows(
-    writer: CacheWriter, vectors: np.ndarray, rows: np.ndarray, texts: np.ndarray, at_rows: bool = True
-) -> None:
-    """`vectors`' rows into `writer` at `texts`: row `rows[t]` of each text t (with `at_rows`), else row i of the
-    i-th text, REUSE_CHUNK at a time."""
+def copy_rows(writer: CacheWriter, vectors: np.ndarray, rows: np.ndarray, texts: np.ndarray) -> None:
+    """Row `rows[i]` of `vectors` into `writer` as text `texts[i]`'s, REUSE_CHUNK at a time."""
     for start in range(0, len(texts), REUSE_CHUNK):
-        chunk = texts[start : start + REUSE_CHUNK]
-        picked = rows[chunk] if at_rows else rows[start : start + REUSE_CHUNK]
+        chunk, picked = texts[start : start + REUSE_CHUNK], rows[start : start + REUSE_CHUNK]
         order = np.argsort(picked, kind="stable")  # a memory map reads sorted rows fastest
         writer.write(chunk[order], np.asarray(vectors[picked[order]]))
 
@@ -203,11 +201,15 @@ class TeacherCache:
         self.seconds += time.perf_counter() - started
         return self._committed(writer, entry, key, len(texts))
 
-    def _writer(self, entry: Path, key: str, texts: list[str], role: Role) -> CacheWriter | None:
-        """The writer of `entry` on this machine's writing process (None on the others), with each text's digest."""
+    def _writer(
+        self, entry: Path, key: str, texts: list[str], role: Role, digests: np.ndarray | None = None
+    ) -> CacheWriter | None:
+        """The writer of `entry` on this machine's writing process (None on the others), with each text's digest
+        (`digests`, where the caller has them already)."""
         if not writes_for_this_machine(self.accelerator):
             return None
-        return CacheWriter(entry, key, len(texts), role, self.source, text_digests(texts), self.model_key(role))
+        digests = text_digests(texts) if digests is None else digests
+        return CacheWriter(entry, key, len(texts), role, self.source, digests, self.model_key(role))
 
     def _committed(self, writer: CacheWriter | None, entry: Path, key: str, count: int) -> np.ndarray:
         """The entry, committed by its writer and read back by every process."""
@@ -230,7 +232,8 @@ class TeacherCache:
         A text counts as held only where every machine holds it, so every process encodes the same texts. The
         entry is copied together on each machine by its writing process, REUSE_CHUNK rows at a time.
         """
-        found = find_rows(self.cache_dir, self.model_key(role), text_digests(texts), self.source.path, role)
+        digests = text_digests(texts)
+        found = find_rows(self.cache_dir, self.model_key(role), digests, self.source.path, role)
         self._say_unindexed(found.unindexed)
         held = agreed(self.accelerator, found.entry >= 0)
         if not held.any():
@@ -241,19 +244,20 @@ class TeacherCache:
             f"teacher cache: {int(held.sum()):,} of {len(texts):,} {role} texts found in earlier entries; "
             f"encoding the other {len(missing):,}, then writing {entry}"
         )
-        encoded = self.embeddings([texts[i] for i in missing], role, reuse=False) if len(missing) else None
+        new_texts = [texts[i] for i in missing]
+        encoded = self.embeddings(new_texts, role, reuse=False) if new_texts else None
         self.accelerator.wait_for_everyone()  # every rank has decided before the writer replaces anything
         started = time.perf_counter()
-        writer = self._writer(entry, key, texts, role)
+        writer = self._writer(entry, key, texts, role, digests)
         if writer is not None:
-            for source, rows_here in found.sources(held):
-                copy_rows(writer, source, found.row, rows_here)
+            for source, taken in found.sources(held):
+                copy_rows(writer, source, found.row[taken], taken)
             if encoded is not None:
-                copy_rows(writer, encoded, np.arange(len(missing)), missing, at_rows=False)
+                copy_rows(writer, encoded, np.arange(len(missing)), missing)
         self.seconds += time.perf_counter() - started
         assembled = self._committed(writer, entry, key, len(texts))
-        if writer is not None and len(missing):  # its rows are in the new entry now: no second copy on disk
-            shutil.rmtree(self.cache_dir / self.key([texts[i] for i in missing], role), ignore_errors=True)
+        if writer is not None and new_texts:  # its rows are in the new entry now: no second copy on disk
+            shutil.rmtree(self.cache_dir / self.key(new_texts, role), ignore_errors=True)
         return assembled
 
     def _say_unindexed(self, count: int) -> None:
