@@ -355,20 +355,25 @@ class Phase2Batches:
         teacher_queries: np.ndarray,
         teacher_passages: np.ndarray,
         max_chunks: int = 1,
+        scores: np.ndarray | None = None,
     ):
         self.queries, self.passages, self.passage_rows = queries, passages, passage_rows
         self.teacher_queries, self.teacher_passages = teacher_queries, teacher_passages
         self.max_chunks = max_chunks
+        self.scores = scores  # (queries, 1 + negatives): a reranker's score of each query's candidates, or None
 
     def __call__(self, indices: list[int]) -> dict[str, object]:
         rows = self.passage_rows[indices]  # (batch, 1 + negatives)
         passage_indices = np.concatenate([rows[:, 0], rows[:, 1:].reshape(-1)]).tolist()
-        return {
+        batch = {
             "queries": self.queries.chunked_features(indices, self.max_chunks),
             "passages": self.passages.chunked_features(passage_indices, self.max_chunks),
             "teacher_queries": torch.from_numpy(np.asarray(self.teacher_queries[indices], dtype=np.float32)),
             "teacher_passages": torch.from_numpy(np.asarray(self.teacher_passages[passage_indices], dtype=np.float32)),
         }
+        if self.scores is not None:
+            batch["reranker_scores"] = torch.from_numpy(np.asarray(self.scores[indices], dtype=np.float32))
+        return batch
 
 
 def make_loader(

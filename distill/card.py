@@ -218,6 +218,17 @@ def teacher_name(settings: dict) -> str:
     return str(model or (f"vectors from {Path(vectors).name}" if vectors else ""))
 
 
+def reranker_sentence(settings: dict) -> str:
+    """What phase 2 learned from a reranker, where one taught it ("" otherwise)."""
+    reranker = settings.get("reranker_model")
+    if not reranker or settings.get("skip_phase2"):
+        return ""
+    loss = {"kl_div": "a KL over each query's candidates", "margin_mse": "MarginMSE"}.get(
+        str(settings.get("reranker_loss")), str(settings.get("reranker_loss"))
+    )
+    return f" Phase 2 also learned the scores of the reranker `{reranker}` on each query's candidates ({loss})."
+
+
 def distill_section(
     settings: dict,
     table: str,
@@ -243,6 +254,7 @@ def distill_section(
             if settings.get("phase1_teacher_model")
             else ""
         )
+        + reranker_sentence(settings)
         + (f" {note}" if note else "")
     )
     usage = [

@@ -1,4 +1,5 @@
-"""Distillation losses: embedding alignment (phase 1 and 2) and the in-batch similarity KL (phase 2).
+"""Distillation losses: embedding alignment (phase 1 and 2), the in-batch similarity KL (phase 2), and a
+reranker's scores of each query's candidates (phase 2, through sentence-transformers' losses).
 
 All functions are pure: tensors in, scalar tensors out. `dims` selects the comparison space: None compares
 the vectors as given (projection mode: projected student vs full teacher); a list of Matryoshka dims
@@ -8,6 +9,7 @@ compares, at each d, the first d coordinates of both, re-normalised, and average
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +24,9 @@ class LossWeights:
     # MRL: the similarity loss at every dim d targets the teacher's similarities at the full (student) width,
     # instead of those of the teacher truncated to d (which a non-Matryoshka teacher ranks poorly at small d).
     matryoshka_full_teacher_similarity: bool = False
+    reranker: float = 1.0  # weight of `reranker_loss`, where a reranker scored the candidates
+    reranker_loss: str = "kl_div"  # or "margin_mse"
+    reranker_temperature: float = 1.0  # the reranker's scores are divided by it
 
 
 def truncate(vectors: torch.Tensor, dim: int) -> torch.Tensor:
@@ -96,3 +101,50 @@ def similarity_kl_loss(
             log_target=True,
         )
     return weights.kl * total / len(spaces)
+
+
+@cache
+def _ranking_loss(kind: str, temperature: float, teacher_temperature: float) -> torch.nn.Module:
+    """sentence-transformers' DistillKLDivLoss or MarginMSELoss on the student's cosines / `temperature`.
+
+    Only their `compute_loss_from_embeddings` is used: the loop embeds the texts itself (chunked, gathered, in
+    Matryoshka dims), so the losses need no model. The student's temperature is applied in the similarity, so that
+    DistillKLDivLoss's scaling by the student temperature squared is 1 and the weight compares with --kl_weight.
+    """
+    from sentence_transformers.sentence_transformer.losses import DistillKLDivLoss, MarginMSELoss
+    from sentence_transformers.util import pairwise_cos_sim
+
+    def similarity(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return pairwise_cos_sim(a, b) / temperature
+
+    if kind == "margin_mse":
+        return MarginMSELoss(None, similarity_fct=similarity)
+    return DistillKLDivLoss(None, similarity_fct=similarity, teacher_temperature=teacher_temperature)
+
+
+def reranker_loss(
+    queries: torch.Tensor,
+    passages: torch.Tensor,
+    teacher_scores: torch.Tensor,
+    weights: LossWeights,
+    dims: list[int] | None = None,
+) -> torch.Tensor:
+    """The student's scores of each query's own candidates against the reranker's (`teacher_scores`, (batch, ways)).
+
+    `passages` are the batch's positives, then each query's negatives in turn ((batch x ways, dim), as phase 2's
+    batches hold them). kl_div: KL of each query's softmax over its candidates; margin_mse: MSE of the positive's
+    margin over each negative, the reranker's divided by --reranker_temperature.
+    """
+    batch, ways = teacher_scores.shape
+    scores = teacher_scores.float().detach()
+    if weights.reranker_loss == "margin_mse":
+        scores = scores / weights.reranker_temperature
+    loss = _ranking_loss(weights.reranker_loss, weights.temperature, weights.reranker_temperature)
+    total = queries.new_zeros((), dtype=torch.float32)
+    spaces = [None] if dims is None else dims
+    for dim in spaces:
+        q = queries.float() if dim is None else truncate(queries.float(), dim)
+        p = passages.float() if dim is None else truncate(passages.float(), dim)
+        negatives = p[batch:].reshape(batch, ways - 1, -1).unbind(1)
+        total = total + loss.compute_loss_from_embeddings([q, p[:batch], *negatives], scores)
+    return weights.reranker * total / len(spaces)

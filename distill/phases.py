@@ -38,7 +38,7 @@ from distill.batching import (
 )
 from distill.config.schema import LossConfig, PerformanceConfig, PhaseConfig, TrainingConfig
 from distill.errors import DistillError
-from distill.losses import LossWeights, alignment_loss, similarity_kl_loss
+from distill.losses import LossWeights, alignment_loss, reranker_loss, similarity_kl_loss
 from distill.stages.data import DistillData, passage_texts
 from distill.students import kind_of
 from distill.tokens import cached_tokens
@@ -125,6 +125,9 @@ def phase_settings(
             losses.kl_weight,
             losses.temperature,
             matryoshka_full_teacher_similarity=losses.matryoshka_full_teacher_similarity,
+            reranker=losses.reranker_weight,
+            reranker_loss=losses.reranker_loss,
+            reranker_temperature=losses.reranker_temperature,
         ),
         matryoshka_dims=None,
         kl_memory_steps=losses.kl_memory_steps,
@@ -243,7 +246,8 @@ class AlignmentPhase(Phase):
 
 
 class SimilarityPhase(Phase):
-    """Phase 2: the teacher's in-batch query-passage similarities distilled, with a cross-batch passage memory."""
+    """Phase 2: the teacher's in-batch query-passage similarities distilled, with a cross-batch passage memory; and,
+    where a reranker scored each query's candidates, its scores (`reranker_loss`)."""
 
     name = "phase2"
 
@@ -259,7 +263,9 @@ class SimilarityPhase(Phase):
         passages, rows = passage_texts(data.phase2)[0], teacher.passage_rows
         queries, passage_tokens = tokenize(data.phase2.queries), tokenize(passages)
         chunks = self.batching.forward_chunks
-        collate = Phase2Batches(queries, passage_tokens, rows, teacher.queries, teacher.passages, chunks)
+        collate = Phase2Batches(
+            queries, passage_tokens, rows, teacher.queries, teacher.passages, chunks, teacher.scores
+        )
         lengths = queries.lengths + passage_tokens.lengths[rows].sum(axis=1)
         self._warn_truncated(queries.truncated + passage_tokens.truncated, student.max_seq_length)
         global_batch = self.batching.batch_size * self.world
@@ -288,10 +294,15 @@ class SimilarityPhase(Phase):
             student_queries, candidate_passages, teacher_queries, candidate_teacher, weights, dims
         )
         self.memory.stage(student_passages, teacher_passages)
+        # The reranker's loss is a mean over this process's queries (each ranks its own candidates): DDP's average
+        # of the ranks' gradients is the gradient of the global mean, as for the alignment.
+        ranking = alignment.new_zeros(())
+        if "reranker_scores" in batch:
+            ranking = reranker_loss(queries, passages, batch["reranker_scores"], weights, dims)
         # DDP averages gradients over ranks; the global similarity loss is computed on every rank and each
         # rank's gradient covers only its own rows, so scaling by the world size makes the average the sum.
-        loss = alignment + accelerator.num_processes * similarity
-        return loss, (alignment + similarity).detach()
+        loss = alignment + ranking + accelerator.num_processes * similarity
+        return loss, (alignment + ranking + similarity).detach()
 
     def step_taken(self) -> None:
         self.memory.commit()

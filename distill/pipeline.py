@@ -52,6 +52,7 @@ from distill.stages.initialise import (
     check_declared_dimensions,
     phase_bases,
 )
+from distill.stages.rerank import check_candidates, score_candidates
 from distill.stages.scoring import (
     EvalInputs,
     KeepBest,
@@ -83,6 +84,8 @@ def run(config: Config) -> RunResults:
     with stage("data"):
         data = load_data(config.data, config.training.seed, "phase1" in trained, "phase2" in trained)
         check_phase_sizes(phases, data, config.training.batch_size, accelerator.num_processes)
+        if config.reranker.reranker_model is not None:
+            check_candidates(data, config.data.mine_hard_negatives)
     costs = CostTexts.from_data(data, config.output.efficiency_texts, config.training.batch_size, config.training.seed)
     with stage("teacher"):  # the teacher's own cost is measured while it is loaded: it is never loaded twice
         teacher = teacher_stage(accelerator, config, data, costs, student)
@@ -94,6 +97,7 @@ def run(config: Config) -> RunResults:
     accelerator.init_trackers(config.output.tracker_project, config=tracker_config(config))
     state = resume.state
     state.results.capped = data.capped or None  # a cap the data reached, said in the log as well
+    state.results.reranker = teacher.reranker
     with stage("evaluation before training"):
         evaluate_baseline(accelerator, config, model, state, evaluation, dims, teacher)
     for phase in phases:
@@ -171,7 +175,13 @@ def teacher_stage(
     context = teacher_context(config, accelerator.device, student)
     batch_size = config.performance.teacher_batch_size or config.training.batch_size
     cache = CacheSettings(config.output.teacher_cache_dir, batch_size, config.data.mine_hard_negatives)
-    return embed_with_teacher(accelerator, config.teacher, context, cache, data, costs)
+    vectors = embed_with_teacher(accelerator, config.teacher, context, cache, data, costs)
+    if config.reranker.reranker_model is not None and vectors.passage_rows is not None:
+        scored = score_candidates(accelerator, config.reranker, context, cache, data, vectors.passage_rows)
+        vectors.scores, vectors.reranker = scored.scores, scored.figures(config.losses.reranker_loss)
+        vectors.seconds["phase2"] += scored.seconds
+        vectors.loaded = vectors.loaded or scored.loaded
+    return vectors
 
 
 def student_stage(

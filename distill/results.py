@@ -32,6 +32,7 @@ class RunResults:
     world_size: int = 1
     heap_allocator: str = ""
     capped: dict[str, int] | None = None  # the caps the data reached (--max_samples_phase1/2 -> the cap)
+    reranker: dict[str, Any] | None = None  # phase 2's reranker: its name, the pairs it scored, its seconds, the loss
     attention: dict[str, Any] | None = None  # the student's attention in training: {"unpadded", "reason"}
     evaluations: dict[str, list[Metrics]] = field(default_factory=dict)  # --eval_steps: per phase, per step
     teacher: Metrics | None = None

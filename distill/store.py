@@ -31,7 +31,7 @@ import numpy as np
 
 from distill.files import read_json
 
-Role = Literal["query", "document"]
+Role = Literal["query", "document", "pair"]  # "pair": a reranker's (query, passage) pairs
 
 
 class TeacherDescription(Protocol):

@@ -145,6 +145,38 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     return {name: root / name / "st" for name in TINY_MODELS}
 
 
+def build_tiny_reranker(folder: Path, hidden: int = 32, seed: int = 5) -> Path:
+    """A random-init 2-layer BERT cross-encoder (one score per pair), dropout off, saved by sentence-transformers."""
+    import torch
+    from sentence_transformers.cross_encoder import CrossEncoder
+    from transformers import BertConfig, BertForSequenceClassification
+
+    raw = folder / "hf"
+    raw.mkdir(parents=True, exist_ok=True)
+    config = BertConfig(
+        vocab_size=tiny_tokenizer(raw),
+        hidden_size=hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=128,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=1,
+    )
+    torch.manual_seed(seed)
+    BertForSequenceClassification(config).save_pretrained(raw)
+    saved = folder / "cross-encoder"
+    CrossEncoder(str(raw), max_length=64, device="cpu").save_pretrained(str(saved))
+    return saved
+
+
+@pytest.fixture(scope="session")
+def tiny_reranker(tmp_path_factory) -> Path:
+    """A tiny cross-encoder folder (`build_tiny_reranker`)."""
+    return shared_folder(tmp_path_factory, "tiny_reranker", build_tiny_reranker) / "cross-encoder"
+
+
 def sentences(count: int, seed: int = 0) -> list[str]:
     import random
 

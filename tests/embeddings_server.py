@@ -1,4 +1,4 @@
-"""An OpenAI-compatible embeddings server for the tests, and a proxy in front of it that injects faults.
+"""An OpenAI-compatible embeddings server and a rerank server for the tests, and a proxy that injects faults.
 
 The server answers `POST /v1/embeddings` on 127.0.0.1 (a free port) with OpenAI's request and response schema,
 float or base64 vectors alike, backed by a real SentenceTransformer. infinity-emb, the embedding server on PyPI,
@@ -127,6 +127,55 @@ class EmbeddingsServer(_Local):
                 if server.key is not None and self.headers.get("Authorization") != f"Bearer {server.key}":
                     return send(self, 401, error("Incorrect API key provided", "invalid_request_error"))
                 send(self, *server.embed(body))
+
+        return Handler
+
+
+class RerankServer(_Local):
+    """The cross-encoder in `model_path` served as `name` at `url` (…/v1): `POST /v1/rerank` as vLLM, infinity, Cohere
+    and Jina answer it (a query and its documents in; `results` of `index` and `relevance_score`, best first). Its
+    scores are the model's raw logits. `documents` counts every document scored, over all requests."""
+
+    def __init__(self, model_path: Path, name: str, key: str | None = None):
+        import torch
+        from sentence_transformers.cross_encoder import CrossEncoder
+
+        self.model = CrossEncoder(str(model_path), device="cpu")
+        self.identity = torch.nn.Identity()
+        self.name, self.key = name, key
+        self.lock = threading.Lock()
+        self.requests: list[dict[str, Any]] = []
+        self.documents = 0
+        self.serve(self._handler())
+
+    def rerank(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        documents = body.get("documents")
+        if body.get("model") != self.name:
+            return 404, error(f"The model `{body.get('model')}` does not exist.", "invalid_request_error")
+        if not isinstance(body.get("query"), str) or not isinstance(documents, list) or not documents:
+            return 400, error("expected a query and a non-empty list of documents", "invalid_request_error")
+        with self.lock:
+            scores = self.model.predict([(body["query"], d) for d in documents], activation_fn=self.identity)
+            self.documents += len(documents)
+        order = np.argsort(-scores, kind="stable")[: body.get("top_n") or len(documents)]
+        results = [{"index": int(i), "relevance_score": float(scores[i])} for i in order]
+        return 200, {"id": "rerank", "model": self.name, "results": results, "usage": {"total_tokens": 0}}
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:  # quiet
+                pass
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.requests.append({"authorization": self.headers.get("Authorization"), "body": body})
+                if self.path != "/v1/rerank":
+                    return send(self, 404, error("not found", "invalid_request_error"))
+                if server.key is not None and self.headers.get("Authorization") != f"Bearer {server.key}":
+                    return send(self, 401, error("Incorrect API key provided", "invalid_request_error"))
+                send(self, *server.rerank(body))
 
         return Handler
 

@@ -148,6 +148,7 @@ class _Parser(argparse.ArgumentParser):
 # --help's topics: one per section of the config tree, in the tree's order.
 HELP_GROUPS = {
     "teacher": "teacher",
+    "reranker": "reranker (phase 2's second teacher)",
     "student": "student",
     "mode": "projection or Matryoshka",
     "data": "data",

@@ -122,6 +122,13 @@ def _own(config: Config) -> list[Contradiction]:
             "drop --phase1_teacher_model or --skip_phase1 / --skip_phase2",
         ),
         Contradiction(
+            "reranker_model",
+            ("skip_phase2",),
+            config.reranker.reranker_model is not None and training.skip_phase2,
+            "reranker_model: scores phase 2's candidates, but --skip_phase2 skips phase 2; pass --skip_phase2 False "
+            "or drop --reranker_model",
+        ),
+        Contradiction(
             "skip_phase1",
             (),
             training.skip_phase1 and training.skip_phase2,

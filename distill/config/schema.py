@@ -79,6 +79,10 @@ class Scope:
 MATRYOSHKA_MODE = Scope(
     "Matryoshka mode", "pass --use_projection False", ("use_projection",), lambda c: not c.mode.use_projection
 )
+RERANKER = Scope(
+    "a reranker teacher", "pass --reranker_model", ("reranker_model",), lambda c: c.reranker.reranker_model is not None
+)
+RERANKER_LOSSES = ("kl_div", "margin_mse")
 
 
 def _opt(
@@ -167,6 +171,33 @@ class TeacherConfig:
         help="Phase 1's alignment target when it should not be the teacher: e.g. the model the student was pruned "
         "from, in whose space the student starts. Phase 2 then distils the teacher's similarities alone (no "
         "alignment), which need no shared space. Matryoshka mode only; default: the teacher.",
+    )
+
+
+@dataclass
+class RerankerConfig:
+    """Phase 2's second teacher: a cross-encoder that scores each query's candidates (distill/teachers/reranker.py)."""
+
+    reranker_model: str | None = _opt(
+        check=MODEL_NAME,
+        default=None,
+        help="Phase 2: a cross-encoder that scores each query's positive and negatives, which the student learns "
+        "(--reranker_loss): a Hub name or folder of a sentence-transformers CrossEncoder, or the model a rerank "
+        "endpoint serves (--reranker_base_url). Needs negatives: the data's or --mine_hard_negatives N.",
+    )
+    reranker_base_url: str | None = _opt(
+        scope=RERANKER,
+        default=None,
+        help="The reranker is served: the base URL of an endpoint that answers POST <url>/rerank (vLLM, infinity, "
+        "text-embeddings-inference, Cohere, Jina), e.g. http://localhost:8000/v1 (default: the model runs here).",
+    )
+    reranker_api_key_env: str = _opt(
+        scope=RERANKER,
+        check=Check(
+            lambda v: re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(v)) is not None, "an environment variable name"
+        ),
+        default="RERANKER_API_KEY",
+        help="The environment variable that holds the rerank endpoint's key (never a flag, never written).",
     )
 
 
@@ -322,6 +353,23 @@ class LossConfig:
     matryoshka_full_teacher_similarity: bool = _opt(
         default=False, help="MRL: the similarity loss at each dim targets the teacher's full-width similarities."
     )
+    reranker_loss: str = _opt(
+        scope=RERANKER,
+        default="kl_div",
+        choices=RERANKER_LOSSES,
+        help="What the student learns of the reranker's scores: kl_div, the KL of each query's softmax over its "
+        "candidates (sentence-transformers' DistillKLDivLoss); margin_mse, the positive's margin over each negative "
+        "(MarginMSELoss). The student's cosines are divided by --temperature.",
+    )
+    reranker_weight: float = _opt(
+        scope=RERANKER, default=1.0, check=NON_NEGATIVE, help="Phase-2 weight of the reranker's loss."
+    )
+    reranker_temperature: float = _opt(
+        scope=RERANKER,
+        default=1.0,
+        check=POSITIVE,
+        help="The reranker's scores are divided by this before the loss (its logits: 1 keeps them).",
+    )
 
 
 @dataclass
@@ -435,6 +483,7 @@ class LaunchConfig:
 @dataclass
 class Config:
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    reranker: RerankerConfig = field(default_factory=RerankerConfig)
     student: StudentConfig = field(default_factory=StudentConfig)
     mode: ModeConfig = field(default_factory=ModeConfig)
     data: DataConfig = field(default_factory=DataConfig)
