@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast lint bench bench-gpu bench-scale gpu-check clean quality
+.PHONY: setup demo demo-reranker test test-fast lint bench bench-gpu bench-scale gpu-check clean quality
 
 setup: $(STAMP)
 
@@ -39,6 +39,11 @@ $(ALLOCATOR): $(STAMP)
 
 demo: $(ALLOCATOR)
 	$(PRELOAD) $(BIN)/python -m distill.train --config configs/demo.yaml
+
+# the demo with a reranker for phase 2: the cross-encoder is trained once (bench/cross_encoder.py, ~15 min), then kept
+demo-reranker: $(ALLOCATOR)
+	$(BIN)/python bench/cross_encoder.py --output runs/cache/cross-encoder
+	$(PRELOAD) $(BIN)/python -m distill.train --config configs/demo_reranker.yaml
 
 # distill vs sentence-transformers' own recipe on the demo, side by side; writes runs/quality/QUALITY.md (~15 min)
 quality: $(ALLOCATOR)

@@ -52,7 +52,7 @@ from distill.stages.initialise import (
     check_declared_dimensions,
     phase_bases,
 )
-from distill.stages.rerank import check_candidates, score_candidates
+from distill.stages.candidates import check_candidates, score_candidates
 from distill.stages.scoring import (
     EvalInputs,
     KeepBest,

@@ -498,9 +498,15 @@ def test_a_config_files_setting_that_a_flag_makes_irrelevant_is_dropped_with_a_w
         load_config(["--config", str(own)])
 
 
-# What the kinds of teacher beyond one local model (an endpoint, a vectors file, several combined) and of student
-# beyond the transformer (a static table), and phase 1's token budget for GPUs, add to the lean core's options.
+# What the kinds of teacher beyond one local model (an endpoint, a vectors file, several combined, a reranker) and of
+# student beyond the transformer (a static table), and phase 1's token budget for GPUs, add to the lean core's options.
 KIND_OPTIONS = {
+    "--reranker_model",
+    "--reranker_base_url",
+    "--reranker_api_key_env",
+    "--reranker_loss",
+    "--reranker_weight",
+    "--reranker_temperature",
     "--max_tokens_per_batch",
     "--teacher_base_url",
     "--teacher_api_key_env",

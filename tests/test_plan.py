@@ -211,6 +211,19 @@ def test_an_endpoint_teacher_is_planned_as_the_tokens_it_will_be_sent(tiny_model
     assert served.assumptions["teacher_tokenizer"].startswith("the student's tokenizer")
 
 
+def test_a_reranker_is_planned_as_the_pairs_it_scores(tiny_models, tiny_data, tmp_path):
+    """Each phase-2 query with its positive and its negatives: the data's (tiny_data has one), else the mined ones;
+    as many as the run's results.json counts (tests/test_reranker.py)."""
+    device = device_for("h100", None, None)
+    flags = tiny_run_flags(tiny_models, tiny_data, tmp_path / "plan", max_samples_phase2=48)
+    given = make_plan(load_config([*flags, "--reranker_model", "a-reranker"]), device)
+    queries = given.texts["phase2 queries"]
+    assert given.reranker_pairs == 2 * queries and given.reranker_tokens > 0
+    assert f"reranker a-reranker: {2 * queries:,} (query, candidate) pairs" in plan_render.plan_text(given)
+    none = make_plan(load_config(flags), device)
+    assert none.reranker_pairs == 0 and "reranker" not in plan_render.plan_text(none)
+
+
 def test_two_teachers_are_planned_as_the_sum_of_their_encodings(tiny_models, tiny_data, tmp_path):
     device = device_for("h100", None, None)
     flags = tiny_run_flags(tiny_models, tiny_data, tmp_path / "plan", max_samples_phase1=64, max_samples_phase2=48)

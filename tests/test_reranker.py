@@ -188,7 +188,8 @@ def test_a_run_without_negatives_says_how_to_get_candidates(tiny_models, tiny_re
 def test_a_run_with_a_served_reranker_trains_exports_and_names_both_teachers(
     tiny_models, tiny_data, tiny_reranker, rerank_server, key, tmp_path
 ) -> None:
-    """Phase 2 learns the reranker's scores of each query's positive and negative (the data's); the exported student loads in plain sentence-transformers, its card names both teachers, and no file holds the key."""
+    """Phase 2 learns the reranker's scores of each query's positive and negative (the data's); the exported student
+    loads in plain sentence-transformers, its card names both teachers, and no file holds the key."""
     out = tmp_path / "run"
     reranker = ["--reranker_model", "tiny-reranker", "--reranker_base_url", rerank_server.url]
     flags = tiny_run_flags(tiny_models, tiny_data, out, save_to_artifacts=True)

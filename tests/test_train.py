@@ -363,11 +363,18 @@ def test_shipped_minilm_on_embedded_data_gets_closer_to_the_teacher(tmp_path):
         (False, 2, "run_ddp.sh", 1, None),
         (False, 1, "relaunch", 2, None),
         (False, 1, "relaunch", 1, 64),
+        (True, 1, "run_ddp.sh", "reranker", None),
     ],
-    ids=["projection-relaunch", "matryoshka-accumulating-run_ddp", "two-teachers-relaunch", "token-budget-relaunch"],
+    ids=[
+        "projection-relaunch",
+        "matryoshka-accumulating-run_ddp",
+        "two-teachers-relaunch",
+        "token-budget-relaunch",
+        "reranker-run_ddp",
+    ],
 )
 def test_two_processes_match_one_process_with_twice_the_batch(
-    tiny_models, tiny_data, tmp_path, use_projection, accumulation, form, teachers, budget
+    tiny_models, tiny_data, tiny_reranker, tmp_path, use_projection, accumulation, form, teachers, budget
 ):
     """2 processes x batch 4 follow 1 process x batch 8 (losses, weights), both phases, every loss, both modes.
 
@@ -380,9 +387,10 @@ def test_two_processes_match_one_process_with_twice_the_batch(
     The two processes start the ways distill starts them itself: `python -m distill.train --num_processes 2`
     (which must not run on one process) and `./run_ddp.sh 2 False` (without a GPU: CPU processes over gloo that
     say so, on tcmalloc when it is installed). With two teachers combined, each member is encoded, cached and scored
-    through the collectives of its own cache, inside the combination's. With a token budget, 2 processes x 64
-    tokens follow 1 process x 128: widths padded to 16 or 32 tokens make every batch's rows even, so the two cut
-    the texts alike.
+    through the collectives of its own cache, inside the combination's. With a reranker, its loss is each process's
+    mean over its own queries' candidates, which DDP averages into the global mean. With a token budget, 2 processes
+    x 64 tokens follow 1 process x 128: widths padded to 16 or 32 tokens make every batch's rows even, so the two
+    cut the texts alike.
     """
     two, one = tmp_path / "two", tmp_path / "one"
     common = {
@@ -392,7 +400,9 @@ def test_two_processes_match_one_process_with_twice_the_batch(
         "use_projection": use_projection,
         "gradient_accumulation_steps": accumulation,
     }
-    if teachers == 2:  # the tiny teacher and the 64-d model as one 112-d teacher
+    if teachers == "reranker":  # phase 2 learns a cross-encoder's scores of each query's two candidates as well
+        common["reranker_model"] = tiny_reranker
+    elif teachers == 2:  # the tiny teacher and the 64-d model as one 112-d teacher
         common["teacher_model"] = f"{tiny_models['teacher']},{tiny_models['wide_student']}"
         common["teacher_weights"] = "1,2"
     elif not use_projection:  # phase 1 against another model: its vectors and basis reach every process too
@@ -418,7 +428,7 @@ def test_two_processes_match_one_process_with_twice_the_batch(
     assert main(tiny_run_flags(tiny_models, tiny_data, one, batch_size=8, **common, **budgets[1])) == 0
     assert results_of(two)["world_size"] == 2 and results_of(one)["world_size"] == 1
     assert results_of(two)["mode"] == results_of(one)["mode"] == ("projection" if use_projection else "matryoshka")
-    members = teachers if teachers > 1 else 0  # a combined teacher's members are scored apart
+    members = teachers if teachers == 2 else 0  # a combined teacher's members are scored apart
     assert len(results_of(two).get("teachers") or {}) == len(results_of(one).get("teachers") or {}) == members
     weights_two, weights_one = exported_weights(two), exported_weights(one)
     assert weights_two.keys() == weights_one.keys()
@@ -442,6 +452,8 @@ def test_two_processes_match_one_process_with_twice_the_batch(
         losses_two, losses_one = (results_of(out)["phases"][phase]["losses"] for out in (two, one))
         assert len(losses_two) == len(losses_one) > 0
         assert losses_two == pytest.approx(losses_one, abs=1e-4), phase
+    if teachers == "reranker":  # every pair scored once, whatever the number of processes
+        assert results_of(two)["reranker"]["pairs"] == results_of(one)["reranker"]["pairs"] == 2 * 144
     if budget:  # batches of 2 to 8 texts, not 8: the budget made them
         phase1 = [results_of(out)["phases"]["phase1"] for out in (two, one)]
         assert phase1[0]["train_samples"] == phase1[1]["train_samples"] and phase1[1]["optimizer_steps"] > 256 // 8

@@ -29,6 +29,7 @@ from typing import Any
 from distill.config.schema import Config
 from distill.plan.devices import Device, process_base_bytes
 from distill.plan.figures import (
+    TextList,
     allreduce_bytes,
     checkpoint_bytes,
     memory,
@@ -71,6 +72,9 @@ class Plan:
     table_tokens: int = 0  # a static student distilled here: its vocabulary, each token through the model once
     table_flops: float = 0.0
     table_seconds: float = 0.0  # on each machine, split over its processes
+    reranker: str = ""  # phase 2's reranker, where one scores the candidates
+    reranker_pairs: int = 0  # (query, candidate) pairs it scores once: queries x (1 + negatives)
+    reranker_tokens: float = 0.0  # their tokens, query and passage, counted as the teacher's
 
 
 def make_plan(
@@ -78,8 +82,7 @@ def make_plan(
 ) -> Plan:
     """The figures for `config` on `config.launch.num_processes` processes of `device` over `machines`
     (`phase1_texts`, `phase2_pairs`: plan for that many, with the lengths of the data read)."""
-    processes = config.launch.num_processes or 1
-    training = config.training
+    processes, training = config.launch.num_processes or 1, config.training
     models = model_shapes(config)
     student = models.student
     lists = text_lists(config, not training.skip_phase1, not training.skip_phase2)
@@ -132,7 +135,24 @@ def make_plan(
         **table,
         device_memory_bytes=device.memory_bytes,
         assumptions=assumptions(device, link, teacher_tokenizer),
+        **reranker_figures(config, measured),
     )
+
+
+def reranker_figures(config: Config, measured: list[TextList]) -> dict[str, Any]:
+    """The pairs a reranker scores: each phase-2 query with its positive and negatives (the data's, or mined)."""
+    lists = {t.name: t for t in measured}
+    queries, passages = lists.get("phase2 queries"), lists.get("phase2 passages")
+    if config.reranker.reranker_model is None or queries is None or passages is None or not queries.count:
+        return {}
+    given = passages.count // queries.count - 1  # the data's negatives per query
+    candidates = 1 + (given or config.data.mine_hard_negatives)
+    pairs = queries.count * candidates
+    return {
+        "reranker": config.reranker.reranker_model,
+        "reranker_pairs": pairs,
+        "reranker_tokens": pairs * (queries.teacher_tokens + passages.teacher_tokens),
+    }
 
 
 def assumptions(device: Device, link: float, teacher_tokenizer: str) -> dict[str, Any]:

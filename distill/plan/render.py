@@ -65,6 +65,15 @@ def plan_text(plan: Plan) -> str:
 
 
 def teacher_lines(plan: Plan) -> list[str]:
+    """The teacher's size and encoding, or for an endpoint the tokens it will be sent; and a reranker's pairs."""
+    reranker = [
+        f"reranker {plan.reranker}: {plan.reranker_pairs:,} (query, candidate) pairs scored once, about "
+        f"{plan.reranker_tokens:,.0f} tokens (cached per pair)"
+    ]
+    return own_teacher_lines(plan) + (reranker if plan.reranker_pairs else [])
+
+
+def own_teacher_lines(plan: Plan) -> list[str]:
     """The teacher's size and encoding, or for an endpoint the tokens it will be sent."""
     p = plan.parameters
     cache = f"teacher cache on disk: {plan.cache_bytes / 1e6:,.1f} MB (float16, one vector per text; paid once)"

@@ -380,7 +380,7 @@ class TeacherVectors:
     cost: ModelCost | None = None  # its size and speed on the main process's device (distill/stages/cost.py)
     cost_note: str | None = None  # why `cost` is missing or has no size (an API, a vectors file)
     members: dict[str, EvalVectors] = field(default_factory=dict)  # a combined teacher's members, by name
-    scores: np.ndarray | None = None  # the reranker's, of each query's passage_rows (distill/stages/rerank.py)
+    scores: np.ndarray | None = None  # the reranker's, of each query's passage_rows (distill/stages/candidates.py)
     reranker: dict[str, object] | None = None  # what results.json says of the reranker
 
     def fit_sample(self, data: DistillData) -> tuple[list[str], np.ndarray | None]:

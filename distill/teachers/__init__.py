@@ -4,6 +4,8 @@
 - endpoint.py: an OpenAI-compatible embeddings endpoint (vLLM, text-embeddings-inference, infinity, or a paid
   API), asked by every process for its share of the texts;
 - vectors.py: vectors computed before, read from a file (its missing texts, if any, from one of the above);
+- reranker.py and rerank_endpoint.py: a cross-encoder, loaded here or served, scoring phase 2's (query, passage)
+  pairs rather than embedding texts (`make_reranker`);
 - ensemble.py: several of them combined (`--teacher_model A,B`), each cached on its own;
 - base.py: the interface (`TeacherKind`, `Source`) and the registry.
 
@@ -34,7 +36,7 @@ from distill.teachers.sources import (
 )
 
 if TYPE_CHECKING:
-    from distill.config.schema import TeacherConfig
+    from distill.config.schema import RerankerConfig, TeacherConfig
 
 __all__ = [
     "KINDS",
@@ -44,6 +46,7 @@ __all__ = [
     "Source",
     "TeacherContext",
     "TeacherKind",
+    "make_reranker",
     "make_source",
     "members_of",
     "register_teacher_kind",
@@ -130,3 +133,17 @@ def make_source(config: TeacherConfig, context: TeacherContext, caches: Caches, 
         return VectorsTeacher(config.teacher_vectors, caches, fill=model, workdir=files)
     assert model is not None, "validated: a teacher_model or teacher_vectors is set"
     return model
+
+
+def make_reranker(settings: RerankerConfig, context: TeacherContext) -> Source:
+    """Phase 2's reranker (--reranker_model): served where --reranker_base_url is given, else loaded here."""
+    assert settings.reranker_model is not None, "only called with a reranker"
+    if settings.reranker_base_url:
+        from distill.teachers.rerank_endpoint import RerankEndpoint
+
+        return RerankEndpoint(
+            settings.reranker_model, settings.reranker_base_url, settings.reranker_api_key_env, context.batch_size
+        )
+    from distill.teachers.reranker import CrossEncoderTeacher
+
+    return CrossEncoderTeacher(settings.reranker_model, context)

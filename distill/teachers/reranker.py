@@ -31,13 +31,12 @@ from accelerate.logging import get_logger
 from distill.errors import DistillError
 from distill.hub import model_fingerprint, resolve_model
 from distill.store import Role
-from distill.teachers.sources import Encoder, Source, TeacherContext
+from distill.teachers.sources import Encoder, TeacherContext
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
     from sentence_transformers.cross_encoder import CrossEncoder
 
-    from distill.config.schema import RerankerConfig
     from distill.stages.cost import CostTexts, ModelCost, TeacherCosts
 
 logger = get_logger(__name__)
@@ -154,15 +153,3 @@ class CrossEncoderTeacher:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-
-def make_reranker(settings: RerankerConfig, context: TeacherContext) -> Source:
-    """The reranker the flags name: served where --reranker_base_url is given, else loaded here."""
-    assert settings.reranker_model is not None, "only called with a reranker"
-    if settings.reranker_base_url:
-        from distill.teachers.rerank_endpoint import RerankEndpoint
-
-        return RerankEndpoint(
-            settings.reranker_model, settings.reranker_base_url, settings.reranker_api_key_env, context.batch_size
-        )
-    return CrossEncoderTeacher(settings.reranker_model, context)

@@ -19,8 +19,8 @@ from distill.config.schema import RerankerConfig
 from distill.errors import DistillError
 from distill.stages.data import DistillData, passage_texts
 from distill.stages.targets import CacheSettings, TeacherCache
-from distill.teachers import TeacherContext
-from distill.teachers.reranker import candidate_pairs, make_reranker
+from distill.teachers import TeacherContext, make_reranker
+from distill.teachers.reranker import candidate_pairs
 
 logger = get_logger(__name__)
 
