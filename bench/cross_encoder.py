@@ -34,7 +34,6 @@ from distill.hub import resolve_model
 from distill.metrics import ndcg_per_query, ranks_of
 
 BASE = "sentence-transformers/all-MiniLM-L6-v2"
-RERANK_DEPTH = 100
 
 
 def train(output: Path, pairs: int, negatives: int, seed: int) -> None:
@@ -83,8 +82,8 @@ def torch_tensor(value: float):
     return torch.tensor(value)
 
 
-def evaluate(output: Path, seed: int) -> dict[str, float]:
-    """nDCG@10 of the teacher on the demo's held-out set, and of the cross-encoder reranking its top 100."""
+def evaluate(output: Path, seed: int, depth: int) -> dict[str, float]:
+    """nDCG@10 of the teacher on the demo's held-out set, and of the cross-encoder reranking its top `depth`."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.cross_encoder import CrossEncoder
 
@@ -92,17 +91,17 @@ def evaluate(output: Path, seed: int) -> dict[str, float]:
     teacher = SentenceTransformer(resolve_model(BASE), device="cpu")
     q = teacher.encode(queries, batch_size=128, normalize_embeddings=True)
     c = teacher.encode(corpus, batch_size=128, normalize_embeddings=True)
-    top = np.argsort(-(q @ c.T), axis=1)[:, :RERANK_DEPTH]
+    top = np.argsort(-(q @ c.T), axis=1)[:, :depth]
     reranker = CrossEncoder(str(output), device="cpu")
     scores = reranker.predict(
         [(queries[i], corpus[j]) for i in range(len(queries)) for j in top[i]], batch_size=64, show_progress_bar=True
-    ).reshape(len(queries), RERANK_DEPTH)
+    ).reshape(len(queries), depth)
     reranked = np.take_along_axis(top, np.argsort(-scores, axis=1, kind="stable"), axis=1)
 
     def ndcg(rows: np.ndarray) -> float:
         return float(ndcg_per_query(ranks_of(rows[:, :10], relevant)).mean())
 
-    return {"queries": len(queries), "teacher_ndcg@10": ndcg(top), "reranked_ndcg@10": ndcg(reranked)}
+    return {"queries": len(queries), "depth": depth, "teacher_ndcg@10": ndcg(top), "reranked_ndcg@10": ndcg(reranked)}
 
 
 def main() -> int:
@@ -111,6 +110,7 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=2000)
     parser.add_argument("--negatives", type=int, default=3)
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--depth", type=int, default=100, help="the teacher's hits the cross-encoder reranks")
     args = parser.parse_args()
     output = Path(args.output)
     if (output / "config.json").is_file():
@@ -121,7 +121,7 @@ def main() -> int:
         print(f"trained in {time.perf_counter() - started:.0f} s into {output}")
     report = output / "eval.json"
     if not report.is_file():
-        report.write_text(json.dumps(evaluate(output, args.seed), indent=2) + "\n")
+        report.write_text(json.dumps(evaluate(output, args.seed, args.depth), indent=2) + "\n")
     print(report.read_text())
     return 0
 
