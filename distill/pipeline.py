@@ -41,6 +41,7 @@ from distill.metrics import score
 from distill.phases import Phase, PhaseSettings, check_phase_sizes, make_phases, phase_settings
 from distill.report import check_output_dir, prepare_output_dir, results_table, write_results
 from distill.results import PhaseFigures, RunResults
+from distill.stages.candidates import check_candidates, score_candidates
 from distill.stages.cost import CostTexts, Efficiency, cost_table, measure_student, trade_off_line
 from distill.stages.data import DistillData, load_data
 from distill.stages.export import deployable_model, export_models, push_to_hub
@@ -52,7 +53,6 @@ from distill.stages.initialise import (
     check_declared_dimensions,
     phase_bases,
 )
-from distill.stages.candidates import check_candidates, score_candidates
 from distill.stages.scoring import (
     EvalInputs,
     KeepBest,

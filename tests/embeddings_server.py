@@ -113,22 +113,7 @@ class EmbeddingsServer(_Local):
         }
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:  # quiet
-                pass
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                server.requests.append({"authorization": self.headers.get("Authorization"), "body": body})
-                if self.path != "/v1/embeddings":
-                    return send(self, 404, error("not found", "invalid_request_error"))
-                if server.key is not None and self.headers.get("Authorization") != f"Bearer {server.key}":
-                    return send(self, 401, error("Incorrect API key provided", "invalid_request_error"))
-                send(self, *server.embed(body))
-
-        return Handler
+        return api_handler(self, "/v1/embeddings", self.embed)
 
 
 class RerankServer(_Local):
@@ -162,22 +147,7 @@ class RerankServer(_Local):
         return 200, {"id": "rerank", "model": self.name, "results": results, "usage": {"total_tokens": 0}}
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:  # quiet
-                pass
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                server.requests.append({"authorization": self.headers.get("Authorization"), "body": body})
-                if self.path != "/v1/rerank":
-                    return send(self, 404, error("not found", "invalid_request_error"))
-                if server.key is not None and self.headers.get("Authorization") != f"Bearer {server.key}":
-                    return send(self, 401, error("Incorrect API key provided", "invalid_request_error"))
-                send(self, *server.rerank(body))
-
-        return Handler
+        return api_handler(self, "/v1/rerank", self.rerank)
 
 
 class FaultProxy(_Local):
@@ -236,6 +206,26 @@ class FaultProxy(_Local):
                 send_raw(self, status, body)
 
         return Handler
+
+
+def api_handler(server: Any, path: str, answer: Any) -> type[BaseHTTPRequestHandler]:
+    """A handler that records each request in `server.requests`, checks the path and the bearer `server.key`, and
+    sends what `answer(body)` returns."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:  # quiet
+            pass
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            server.requests.append({"authorization": self.headers.get("Authorization"), "body": body})
+            if self.path != path:
+                return send(self, 404, error("not found", "invalid_request_error"))
+            if server.key is not None and self.headers.get("Authorization") != f"Bearer {server.key}":
+                return send(self, 401, error("Incorrect API key provided", "invalid_request_error"))
+            send(self, *answer(body))
+
+    return Handler
 
 
 def shorten(embedding: str | list[float]) -> str | list[float]:

@@ -40,7 +40,7 @@ def rerank_server(tiny_reranker):
 @pytest.fixture
 def key(monkeypatch):
     monkeypatch.setenv("DISTILL_RERANK_KEY", KEY)
-    monkeypatch.setattr("distill.teachers.rerank_endpoint.TIMEOUT_S", 2.0)
+    monkeypatch.setattr("distill.teachers.endpoint.TIMEOUT_S", 2.0)
     return "DISTILL_RERANK_KEY"
 
 

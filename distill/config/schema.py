@@ -49,6 +49,7 @@ FRACTION = Check(lambda v: 0 <= v < 1, "a fraction in [0, 1)")
 # an empty name is the current folder to pathlib: a teacher '' would hash everything under it, then fail
 EMPTY = "{flag}: expected {expected}, got an empty value; pass --{flag} (or drop it for the default)"
 MODEL_NAME = Check(lambda v: bool(str(v).strip()), "a Hub name or a model folder", EMPTY)
+ENV_NAME = Check(lambda v: re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(v)) is not None, "an environment variable name")
 FOLDER = Check(lambda v: bool(str(v).strip()), "a folder", EMPTY)
 # the Hub's own rule for a repository id: NAME or OWNER/NAME, letters, digits, '-', '_', '.'
 HUB_REPO = Check(
@@ -123,9 +124,7 @@ class TeacherConfig:
         "or text-embeddings-inference server (default: OpenAI's API).",
     )
     teacher_api_key_env: str = _opt(
-        check=Check(
-            lambda v: re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(v)) is not None, "an environment variable name"
-        ),
+        check=ENV_NAME,
         default="OPENAI_API_KEY",
         help="The environment variable that holds the endpoint's API key (the key is never a flag, and never "
         "written to any file). A server that needs none is sent a placeholder.",
@@ -193,9 +192,7 @@ class RerankerConfig:
     )
     reranker_api_key_env: str = _opt(
         scope=RERANKER,
-        check=Check(
-            lambda v: re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(v)) is not None, "an environment variable name"
-        ),
+        check=ENV_NAME,
         default="RERANKER_API_KEY",
         help="The environment variable that holds the rerank endpoint's key (never a flag, never written).",
     )

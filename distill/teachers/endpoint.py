@@ -133,16 +133,9 @@ class EndpointTeacher:
         return {"prompt": self.prompt(role), "dimensions": self.dimensions, "normalize": True}
 
     def client(self) -> Any:
-        """The `openai` client, made once; the key read from the environment now, kept only in the client."""
+        """The `openai` client, made once (`openai_client`)."""
         if self._client is None:
-            import openai
-
-            self._client = openai.OpenAI(
-                base_url=self.base_url,
-                api_key=os.environ.get(self.api_key_env) or NO_KEY,
-                max_retries=MAX_RETRIES,
-                timeout=TIMEOUT_S,
-            )
+            self._client = openai_client(self.base_url, self.api_key_env)
         return self._client
 
     def encoder(self, accelerator: Accelerator, texts: list[str], role: Role) -> Encoder:
@@ -251,6 +244,19 @@ class EndpointTeacher:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+def openai_client(base_url: str, api_key_env: str) -> Any:
+    """The `openai` client of an endpoint: its retries and timeout; the key read from `api_key_env` now and kept only
+    in the client (a placeholder where the environment has none: a local server needs none)."""
+    import openai
+
+    return openai.OpenAI(
+        base_url=base_url,
+        api_key=os.environ.get(api_key_env) or NO_KEY,
+        max_retries=MAX_RETRIES,
+        timeout=TIMEOUT_S,
+    )
 
 
 def first_words(message: str, limit: int = 160) -> str:

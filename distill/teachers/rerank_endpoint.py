@@ -14,7 +14,6 @@ the cached blocks and asks for no pair twice.
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,15 +24,7 @@ from accelerate.logging import get_logger
 
 from distill.errors import DistillError
 from distill.store import Role
-from distill.teachers.endpoint import (
-    DEFAULT_REQUEST_TEXTS,
-    IN_FLIGHT,
-    MAX_RETRIES,
-    NO_KEY,
-    TIMEOUT_S,
-    Usage,
-    first_words,
-)
+from distill.teachers.endpoint import DEFAULT_REQUEST_TEXTS, IN_FLIGHT, Usage, first_words, openai_client
 from distill.teachers.reranker import check_scores, split_pair
 from distill.teachers.sources import Encoder
 
@@ -70,16 +61,9 @@ class RerankEndpoint:
         return {"scores": "relevance_score"}
 
     def client(self) -> Any:
-        """The `openai` client, made once; the key read from the environment now, kept only in the client."""
+        """The `openai` client, made once (`openai_client`)."""
         if self._client is None:
-            import openai
-
-            self._client = openai.OpenAI(
-                base_url=self.base_url,
-                api_key=os.environ.get(self.api_key_env) or NO_KEY,
-                max_retries=MAX_RETRIES,
-                timeout=TIMEOUT_S,
-            )
+            self._client = openai_client(self.base_url, self.api_key_env)
         return self._client
 
     def encoder(self, accelerator: Accelerator, texts: list[str], role: Role) -> Encoder:
