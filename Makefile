@@ -40,12 +40,12 @@ $(ALLOCATOR): $(STAMP)
 demo: $(ALLOCATOR)
 	$(PRELOAD) $(BIN)/python -m distill.train --config configs/demo.yaml
 
-# the demo with a reranker for phase 2: the cross-encoder is trained once (bench/cross_encoder.py, ~15 min), then kept
+# the demo with a reranker for phase 2: the cross-encoder is trained once (bench/cross_encoder.py, ~20 min), then kept
 demo-reranker: $(ALLOCATOR)
 	$(BIN)/python bench/cross_encoder.py --output runs/cache/cross-encoder
 	$(PRELOAD) $(BIN)/python -m distill.train --config configs/demo_reranker.yaml
 
-# distill vs sentence-transformers' own recipe on the demo, side by side; writes runs/quality/QUALITY.md (~15 min)
+# distill vs sentence-transformers' own recipe on the demo, side by side; writes runs/quality/QUALITY.md (~20 min)
 quality: $(ALLOCATOR)
 	$(PRELOAD) $(BIN)/python bench/quality.py --config configs/demo.yaml
 

@@ -284,7 +284,7 @@ def test_a_static_students_teacher_is_planned_at_its_own_limit_and_the_table_at_
     at = flags.index("--max_seq_length")
     config = load_config(flags[:at] + flags[at + 2 :])
     models = plan_figures.model_shapes(config)
-    measured, _ = plan_texts.measure_texts(config, plan_texts.text_lists(config, True, False), models)
+    measured, _ = plan_texts.measure_texts(config, plan_texts.text_lists(config, True, False)[0], models)
     phase1 = next(t for t in measured if t.phase == "phase1")
     assert phase1.teacher_longest == 64 < phase1.student_longest  # [CLS] and [SEP] in the teacher's 64
     device = device_for("h100", None, None)
@@ -318,3 +318,38 @@ def test_the_plan_says_what_does_not_fit_the_device_and_what_to_change(tiny_mode
         line.startswith("does not fit")
         for line in plan_render.plan_text(replace(figures, device_memory_bytes=0)).splitlines()
     )
+
+
+def test_the_hosts_share_scales_with_the_texts_planned() -> None:
+    """Memory and seconds measured on the data read, scaled to a planned count; tokenizing and copying only cold;
+    mining as an exhaustive search over the phase-2 passages."""
+    from distill.plan.host import COPY_BYTES_PER_SECOND, START_BYTES, START_SECONDS, DataReading, host_figures
+
+    def texts(name: str, phase: str, count: int) -> plan_figures.TextList:
+        return plan_figures.TextList(name, phase, count, 10, 100, 10, 100, 20, 20, tokenize_seconds=1e-4)
+
+    reading = DataReading(seconds=2.0, bytes_before=2**30, bytes_after=2**30 + 1000 * 300, texts=1000)
+    read = [
+        texts("phase1 texts", "phase1", 600),
+        texts("phase2 queries", "phase2", 200),
+        texts("phase2 passages", "phase2", 200),
+    ]
+    same = host_figures(read, reading, vectors_file_bytes=0, mined=0, width=8, teacher_rate=1e9)
+    assert same.data_bytes == 300_000 and same.bytes_per_process == 2**30 + START_BYTES + 300_000
+    assert same.tokenize_seconds == pytest.approx(0.1) and same.copy_seconds == 0 and same.mining_flops == 0
+    assert same.cold_seconds - same.rerun_seconds == pytest.approx(0.1)
+    assert same.rerun_seconds == pytest.approx(START_SECONDS + 2.0 + 1000 * 1e-6)
+    tenfold = [replace(t, count=10 * t.count) for t in read]
+    big = host_figures(tenfold, reading, vectors_file_bytes=10**6, mined=2, width=8, teacher_rate=1e9)
+    assert big.data_bytes == 3_000_000 and big.read_seconds == pytest.approx(20.0)
+    assert big.copy_seconds == pytest.approx(10 * 10**6 / COPY_BYTES_PER_SECOND)
+    assert big.mining_flops == 2.0 * 2000 * 2000 * 8 and big.mining_seconds == pytest.approx(big.mining_flops / 1e9)
+
+
+def test_the_plan_says_the_hosts_share(tiny_models, tiny_data, tmp_path):
+    flags = tiny_run_flags(tiny_models, tiny_data, tmp_path / "plan", mine_hard_negatives=2)
+    figures = make_plan(load_config(flags), device_for("cpu", None, None))
+    assert figures.host is not None and figures.host.mining_flops > 0 and figures.host.data_bytes >= 0
+    assert figures.host.tokenize_seconds > 0 and figures.host.cold_seconds > figures.host.rerun_seconds
+    text = plan_render.plan_text(figures)
+    assert "host memory per process to the first step" in text and "mining 2 negatives a query" in text

@@ -24,6 +24,7 @@ Every assumption is printed with the figures; `--json` prints them as one object
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from distill.config.schema import Config
@@ -38,6 +39,7 @@ from distill.plan.figures import (
     teacher_figures,
     training_flops,
 )
+from distill.plan.host import HostFigures, host_figures
 from distill.plan.texts import SAMPLE, measure_texts, scale_counts, text_lists, token_counts
 from distill.teachers import where
 
@@ -72,6 +74,7 @@ class Plan:
     table_tokens: int = 0  # a static student distilled here: its vocabulary, each token through the model once
     table_flops: float = 0.0
     table_seconds: float = 0.0  # on each machine, split over its processes
+    host: HostFigures | None = None  # memory per process, preparation and mining on the host
     reranker: str = ""  # phase 2's reranker, where one scores the candidates
     reranker_pairs: int = 0  # (query, candidate) pairs it scores once: queries x (1 + negatives)
     reranker_tokens: float = 0.0  # their tokens, query and passage, counted as the teacher's
@@ -85,12 +88,20 @@ def make_plan(
     processes, training = config.launch.num_processes or 1, config.training
     models = model_shapes(config)
     student = models.student
-    lists = text_lists(config, not training.skip_phase1, not training.skip_phase2)
+    lists, reading = text_lists(config, not training.skip_phase1, not training.skip_phase2)
     measured, teacher_tokenizer = measure_texts(config, lists, models)
     if device.base_bytes:  # a CPU: the process's base is its RSS with the data and tokenizers a run holds, too
         device = replace(device, base_bytes=process_base_bytes())
     del lists
     measured = scale_counts(measured, phase1_texts, phase2_pairs)
+    host = host_figures(
+        measured,
+        reading,
+        vectors_bytes(config),
+        config.data.mine_hard_negatives,
+        models.teacher_dim or 1,
+        device.teacher_rate,
+    )
     projection = student.dim * models.teacher_dim + models.teacher_dim if config.mode.use_projection else 0
     teacher_flops, teacher_seconds, teacher_memory, cache_bytes = teacher_figures(
         config, device, models, measured, projection
@@ -135,8 +146,15 @@ def make_plan(
         **table,
         device_memory_bytes=device.memory_bytes,
         assumptions=assumptions(device, link, teacher_tokenizer),
+        host=host,
         **reranker_figures(config, measured),
     )
+
+
+def vectors_bytes(config: Config) -> int:
+    """The bytes of a --teacher_vectors file, which a cold run copies into the teacher cache (0: none)."""
+    path = Path(config.teacher.teacher_vectors or "").expanduser()
+    return path.stat().st_size if config.teacher.teacher_vectors and path.is_file() else 0
 
 
 def reranker_figures(config: Config, measured: list[TextList]) -> dict[str, Any]:

@@ -98,6 +98,22 @@ def process_base_bytes() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
+def resident_bytes() -> int:
+    """This process's resident memory now."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def peak_bytes() -> int:
+    """This process's peak resident memory so far (VmHWM; the resident memory now where the system has none)."""
+    try:
+        status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+        return int(status["VmHWM"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return resident_bytes()
+
+
 def default_device() -> str:
     import torch
 

@@ -32,6 +32,7 @@ class TextList:
     student_square: float
     student_longest: int  # the longest sampled text, as the student reads it
     teacher_longest: int = 0  # and as the teacher reads it
+    tokenize_seconds: float = 0.0  # per text, by the student's tokenizer on this machine (the sample, timed)
 
     @property
     def total_teacher_tokens(self) -> float:

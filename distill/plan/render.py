@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from distill.plan import Plan
+from distill.plan.host import host_lines
 from distill.plan.texts import SAMPLE
 
 
@@ -27,6 +28,7 @@ def plan_text(plan: Plan) -> str:
             f"student training, {phase}: {plan.train_flops[phase]:.3g} FLOPs, {plan.optimizer_steps[phase]:,} "
             f"optimizer steps, {duration(seconds)}"
         )
+    lines += host_lines(plan.host) if plan.host else []
     lines += [
         f"student training in all: {duration(plan.train_seconds)}",
         f"peak memory per process: teacher {plan.teacher_memory_bytes / 2**30:.2f} GiB, "

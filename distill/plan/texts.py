@@ -3,6 +3,7 @@ the teacher's and the student's tokenizers, prompts included."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -11,6 +12,7 @@ from distill.config.schema import Config
 from distill.errors import DistillError
 from distill.hub import declared_max_seq_length, tokenizer_of
 from distill.plan.figures import Models, TextList
+from distill.plan.host import DataReading
 from distill.store import Role
 
 if TYPE_CHECKING:
@@ -36,6 +38,20 @@ def length_stats(tokenizer: Any, texts: list[str], prompt: str, max_length: int 
     return sum(lengths) / len(lengths), sum(n * n for n in lengths) / len(lengths), max(lengths)
 
 
+def tokenize_seconds(tokenizer: Any, texts: list[str], passes: int = 2) -> float:
+    """Seconds per text the run's tokenizing takes on this machine: the texts in chunks as the run cuts them (no
+    truncation), the best of `passes` (the first pays the tokenizer's warm-up)."""
+    from distill.batching import TOKENIZE_CHUNK
+
+    best = float("inf")
+    for _ in range(passes):
+        started = time.perf_counter()
+        for start in range(0, len(texts), TOKENIZE_CHUNK):
+            tokenizer(texts[start : start + TOKENIZE_CHUNK], add_special_tokens=True, truncation=False, verbose=False)
+        best = min(best, time.perf_counter() - started)
+    return best / max(len(texts), 1)
+
+
 def sample(texts: list[str], seed: int) -> list[str]:
     import numpy as np
 
@@ -45,11 +61,17 @@ def sample(texts: list[str], seed: int) -> list[str]:
     return [texts[i] for i in sorted(chosen)]
 
 
-def text_lists(config: Config, need_phase1: bool, need_phase2: bool) -> dict[str, tuple[str, Role, list[str]]]:
-    """{name: (phase, role, texts)} for every list the teacher encodes, read as the run reads them."""
+def text_lists(
+    config: Config, need_phase1: bool, need_phase2: bool
+) -> tuple[dict[str, tuple[str, Role, list[str]]], DataReading]:
+    """{name: (phase, role, texts)} for every list the teacher encodes, read as the run reads them; and what reading
+    them cost here (seconds, resident bytes before and after)."""
+    from distill.plan.devices import peak_bytes, resident_bytes
     from distill.stages.data import load_data, passage_texts
 
+    before, started = resident_bytes(), time.perf_counter()
     data = load_data(config.data, config.training.seed, need_phase1, need_phase2)
+    seconds, after = time.perf_counter() - started, peak_bytes()
     lists: dict[str, tuple[str, Role, list[str]]] = {}
     if need_phase1 and data.phase1_texts:
         lists["phase1 texts"] = ("phase1", "document", data.phase1_texts)
@@ -61,7 +83,7 @@ def text_lists(config: Config, need_phase1: bool, need_phase2: bool) -> dict[str
         lists["evaluation corpus"] = ("evaluation", "document", data.evaluation.corpus)
         if data.evaluation.sts_texts:
             lists["evaluation sts"] = ("evaluation", "document", data.evaluation.sts_texts)
-    return lists
+    return lists, DataReading(seconds, before, after, sum(len(texts) for _, _, texts in lists.values()))
 
 
 @dataclass(frozen=True)
@@ -117,7 +139,8 @@ def measure_texts(
         tokenizer, encoder, limit = phase1_encoder if phase == "phase1" else teacher_encoder
         t_mean, t_square, t_max = length_stats(tokenizer, chosen, encoder.prompt(role), limit)
         s_mean, s_square, s_max = length_stats(student_tokenizer, chosen, "", student_length)
-        measured.append(TextList(name, phase, len(texts), t_mean, t_square, s_mean, s_square, s_max, t_max))
+        per_text = tokenize_seconds(student_tokenizer, chosen)
+        measured.append(TextList(name, phase, len(texts), t_mean, t_square, s_mean, s_square, s_max, t_max, per_text))
     return (
         measured,
         "the student's tokenizer (the teacher runs elsewhere)"
