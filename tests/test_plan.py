@@ -334,13 +334,13 @@ def test_the_hosts_share_scales_with_the_texts_planned() -> None:
         texts("phase2 queries", "phase2", 200),
         texts("phase2 passages", "phase2", 200),
     ]
-    same = host_figures(read, reading, vectors_file_bytes=0, mined=0, width=8, teacher_rate=1e9)
+    same = host_figures(read, reading, vectors_file_bytes=0, mining=(0, 8), teacher_rate=1e9)
     assert same.data_bytes == 300_000 and same.bytes_per_process == 2**30 + START_BYTES + 300_000
     assert same.tokenize_seconds == pytest.approx(0.1) and same.copy_seconds == 0 and same.mining_flops == 0
     assert same.cold_seconds - same.rerun_seconds == pytest.approx(0.1)
     assert same.rerun_seconds == pytest.approx(START_SECONDS + 2.0 + 1000 * 1e-6)
     tenfold = [replace(t, count=10 * t.count) for t in read]
-    big = host_figures(tenfold, reading, vectors_file_bytes=10**6, mined=2, width=8, teacher_rate=1e9)
+    big = host_figures(tenfold, reading, vectors_file_bytes=10**6, mining=(2, 8), teacher_rate=1e9)
     assert big.data_bytes == 3_000_000 and big.read_seconds == pytest.approx(20.0)
     assert big.copy_seconds == pytest.approx(10 * 10**6 / COPY_BYTES_PER_SECOND)
     assert big.mining_flops == 2.0 * 2000 * 2000 * 8 and big.mining_seconds == pytest.approx(big.mining_flops / 1e9)

@@ -30,6 +30,7 @@ from typing import Any
 from distill.config.schema import Config
 from distill.plan.devices import Device, process_base_bytes
 from distill.plan.figures import (
+    Models,
     TextList,
     allreduce_bytes,
     checkpoint_bytes,
@@ -94,14 +95,6 @@ def make_plan(
         device = replace(device, base_bytes=process_base_bytes())
     del lists
     measured = scale_counts(measured, phase1_texts, phase2_pairs)
-    host = host_figures(
-        measured,
-        reading,
-        vectors_bytes(config),
-        config.data.mine_hard_negatives,
-        models.teacher_dim or 1,
-        device.teacher_rate,
-    )
     projection = student.dim * models.teacher_dim + models.teacher_dim if config.mode.use_projection else 0
     teacher_flops, teacher_seconds, teacher_memory, cache_bytes = teacher_figures(
         config, device, models, measured, projection
@@ -132,13 +125,7 @@ def make_plan(
         allreduce_seconds_per_step=allreduce / link if allreduce and link else 0.0,
         checkpoint_bytes=checkpoint_one * kept,
         checkpoint_bytes_each=checkpoint_one,
-        parameters={
-            "teacher": sum(t.parameters for t in models.teachers),
-            "teacher_dense": sum(t.dense_parameters for t in models.teachers),
-            "student": student.parameters,
-            "student_dense": student.dense_parameters,
-            **({"phase1_teacher": models.phase1_teacher.parameters} if models.phase1_teacher else {}),
-        },
+        parameters=parameter_counts(models),
         dominant="the teacher's encoding"
         if teacher_seconds + table["table_seconds"] >= train_seconds
         else "the student's training",
@@ -146,9 +133,25 @@ def make_plan(
         **table,
         device_memory_bytes=device.memory_bytes,
         assumptions=assumptions(device, link, teacher_tokenizer),
-        host=host,
+        host=host_figures(measured, reading, vectors_bytes(config), mining_width(config, models), device.teacher_rate),
         **reranker_figures(config, measured),
     )
+
+
+def parameter_counts(models: Models) -> dict[str, int]:
+    """The teacher's (its members' summed) and the student's parameters, all and outside the embeddings."""
+    return {
+        "teacher": sum(t.parameters for t in models.teachers),
+        "teacher_dense": sum(t.dense_parameters for t in models.teachers),
+        "student": models.student.parameters,
+        "student_dense": models.student.dense_parameters,
+        **({"phase1_teacher": models.phase1_teacher.parameters} if models.phase1_teacher else {}),
+    }
+
+
+def mining_width(config: Config, models: Models) -> tuple[int, int]:
+    """(negatives mined a query, the width of the vectors searched): (0, width) where nothing is mined."""
+    return config.data.mine_hard_negatives, models.teacher_dim or 1
 
 
 def vectors_bytes(config: Config) -> int:

@@ -61,11 +61,12 @@ def host_figures(
     measured: list[TextList],
     reading: DataReading,
     vectors_file_bytes: int,
-    mined: int,
-    width: int,
+    mining: tuple[int, int],
     teacher_rate: float,
 ) -> HostFigures:
-    """The host's figures for the lists as planned (`measured`, counts scaled), from what reading them cost here."""
+    """The host's figures for the lists as planned (`measured`, counts scaled), from what reading them cost here;
+    `mining`: (negatives mined a query, the width of the vectors searched)."""
+    mined, width = mining
     planned = sum(t.count for t in measured)
     scale = planned / max(reading.texts, 1)  # a planned count beyond the data read: its bytes and seconds scale
     data_bytes = int(max(reading.bytes_after - reading.bytes_before, 0) * scale)
