@@ -104,12 +104,13 @@ def similarity_kl_loss(
 
 
 @cache
-def _ranking_loss(kind: str, temperature: float, teacher_temperature: float) -> torch.nn.Module:
+def _ranking_loss(kind: str, temperature: float) -> torch.nn.Module:
     """sentence-transformers' DistillKLDivLoss or MarginMSELoss on the student's cosines / `temperature`.
 
     Only their `compute_loss_from_embeddings` is used: the loop embeds the texts itself (chunked, gathered, in
     Matryoshka dims), so the losses need no model. The student's temperature is applied in the similarity, so that
-    DistillKLDivLoss's scaling by the student temperature squared is 1 and the weight compares with --kl_weight.
+    DistillKLDivLoss's scaling by the student temperature squared is 1 and the weight compares with --kl_weight; the
+    reranker's is applied to its scores beforehand (`reranker_loss`), for both losses alike.
     """
     from sentence_transformers.sentence_transformer.losses import DistillKLDivLoss, MarginMSELoss
     from sentence_transformers.util import pairwise_cos_sim
@@ -119,7 +120,7 @@ def _ranking_loss(kind: str, temperature: float, teacher_temperature: float) -> 
 
     if kind == "margin_mse":
         return MarginMSELoss(None, similarity_fct=similarity)
-    return DistillKLDivLoss(None, similarity_fct=similarity, teacher_temperature=teacher_temperature)
+    return DistillKLDivLoss(None, similarity_fct=similarity)
 
 
 def reranker_loss(
@@ -129,17 +130,16 @@ def reranker_loss(
     weights: LossWeights,
     dims: list[int] | None = None,
 ) -> torch.Tensor:
-    """The student's scores of each query's own candidates against the reranker's (`teacher_scores`, (batch, ways)).
+    """The student's scores of each query's own candidates against the reranker's (`teacher_scores`, (batch, ways)),
+    the reranker's divided by --reranker_temperature.
 
     `passages` are the batch's positives, then each query's negatives in turn ((batch x ways, dim), as phase 2's
     batches hold them). kl_div: KL of each query's softmax over its candidates; margin_mse: MSE of the positive's
-    margin over each negative, the reranker's divided by --reranker_temperature.
+    margin over each negative.
     """
     batch, ways = teacher_scores.shape
-    scores = teacher_scores.float().detach()
-    if weights.reranker_loss == "margin_mse":
-        scores = scores / weights.reranker_temperature
-    loss = _ranking_loss(weights.reranker_loss, weights.temperature, weights.reranker_temperature)
+    scores = teacher_scores.float().detach() / weights.reranker_temperature
+    loss = _ranking_loss(weights.reranker_loss, weights.temperature)
     total = queries.new_zeros((), dtype=torch.float32)
     spaces = [None] if dims is None else dims
     for dim in spaces:

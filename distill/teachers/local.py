@@ -8,7 +8,6 @@ leaves 32-43% padding on the benchmark's texts against about 1% (docs/BENCHMARKS
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
 from dataclasses import dataclass
@@ -181,6 +180,22 @@ NON_FINITE_FIX = {
 }
 
 
+def weights_identity(accelerator: Accelerator | None, path: str, revision: str | None, memo: Path) -> str:
+    """A model's weights' digest (or its Hub commit), remembered in `memo`. Collective: each machine's first process
+    reads the weights, the others find its digests."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return model_fingerprint(path, revision, memo=memo)
+    with accelerator.local_main_process_first():
+        return model_fingerprint(path, revision, memo=memo)
+
+
+def free_device_memory() -> None:
+    """What a released model held: its host objects collected, and the GPU's cached blocks returned."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def check_finite(vectors: np.ndarray, rows: np.ndarray, texts: list[str], role: Role, spec: TeacherSpec) -> None:
     """A DistillError if any teacher vector (row i is the text `texts[rows[i]]`) holds NaN or inf.
 
@@ -249,10 +264,7 @@ class LocalTeacher:
 
     def identity(self, accelerator: Accelerator, memo: Path) -> str:
         """The digest of its weights' files (or its Hub commit), remembered in `memo`."""
-        alone = accelerator is None or accelerator.num_processes == 1
-        # collective: each machine's first process reads the weights, the others find its digests
-        with contextlib.nullcontext() if alone else accelerator.local_main_process_first():
-            return model_fingerprint(self.spec.path, self.spec.revision, memo=memo)
+        return weights_identity(accelerator, self.spec.path, self.spec.revision, memo)
 
     def key_fields(self, role: Role) -> dict[str, object]:
         return {
@@ -325,9 +337,7 @@ class LocalTeacher:
 
     def release(self) -> None:
         self.model = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_device_memory()
 
 
 class LocalKind(TeacherKind):

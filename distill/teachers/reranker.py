@@ -17,8 +17,6 @@ then its negatives.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import time
 from pathlib import Path
@@ -29,8 +27,9 @@ import torch
 from accelerate.logging import get_logger
 
 from distill.errors import DistillError
-from distill.hub import model_fingerprint, resolve_model
+from distill.hub import resolve_model
 from distill.store import Role
+from distill.teachers.local import free_device_memory, weights_identity
 from distill.teachers.sources import Encoder, TeacherContext
 
 if TYPE_CHECKING:
@@ -101,9 +100,7 @@ class CrossEncoderTeacher:
         return ""
 
     def identity(self, accelerator: Accelerator, memo: Path) -> str:
-        alone = accelerator is None or accelerator.num_processes == 1
-        with contextlib.nullcontext() if alone else accelerator.local_main_process_first():
-            return "cross-encoder:" + model_fingerprint(self.path_, None, memo=memo)
+        return "cross-encoder:" + weights_identity(accelerator, self.path_, None, memo)
 
     def key_fields(self, role: Role) -> dict[str, object]:
         return {"scores": "logits", "compute_dtype": "float32"}  # loaded as saved: float32 on every device
@@ -150,6 +147,4 @@ class CrossEncoderTeacher:
 
     def release(self) -> None:
         self.model = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_device_memory()
