@@ -62,8 +62,8 @@ def score_candidates(
     rows: np.ndarray,
 ) -> RerankerScores:
     """The reranker's scores of each phase-2 query's candidates (`rows`: its positive's passage row, then its
-    negatives'), through the teacher cache; the reranker is freed afterwards."""
-    check_candidates(data, rows.shape[1] - 1)
+    negatives'), through the teacher cache (the run has `check_candidates`' word that there are negatives); the
+    reranker is freed afterwards."""
     texts, _ = passage_texts(data.phase2)
     pairs = candidate_pairs(data.phase2.queries, texts, rows)
     logger.info(
