@@ -39,6 +39,7 @@ BASE = "sentence-transformers/all-MiniLM-L6-v2"
 
 
 def train(output: Path, pairs: int, negatives: int, seed: int) -> None:
+    import torch
     from datasets import Dataset
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.cross_encoder import (
@@ -74,15 +75,9 @@ def train(output: Path, pairs: int, negatives: int, seed: int) -> None:
         report_to="none",
         logging_steps=100,
     )
-    loss = BinaryCrossEntropyLoss(model, pos_weight=torch_tensor(negatives))
+    loss = BinaryCrossEntropyLoss(model, pos_weight=torch.tensor(negatives))
     CrossEncoderTrainer(model=model, args=args, train_dataset=mined, loss=loss).train()
     model.save_pretrained(str(output))
-
-
-def torch_tensor(value: float):
-    import torch
-
-    return torch.tensor(value)
 
 
 def evaluate(output: Path, seed: int, depth: int) -> dict[str, float]:
