@@ -8,7 +8,7 @@ lengths leaves little padding (about 2% against 56% for random batches on the de
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +43,7 @@ class TokenizedTexts:
     def __init__(
         self,
         tokenizer: PreTrainedTokenizerBase,
-        texts: list[str],
+        texts: Sequence[str],
         max_length: int,
         chunk_size: int = TOKENIZE_CHUNK,
         pad_to_multiple_of: int = 1,

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -46,3 +48,16 @@ BAR_BYTES = 256 << 20  # reading less than this takes seconds: no bar
 def bytes_bar(total: int, description: str) -> tqdm:
     """A bar in bytes with rate and time left for work over BAR_BYTES; below that a silent one."""
     return tqdm(total=total, desc=description, unit="B", unit_scale=True, disable=total < BAR_BYTES, dynamic_ncols=True)
+
+
+def drop_pages(array: Any) -> None:
+    """Let go of the pages of a shared memory map (numpy's `memmap`, read-only or written) that this process has
+    touched: they stay in the page cache, written back if changed, and come back from there if touched again. So
+    reading or writing a file larger than memory through a map adds nothing to the process's resident memory,
+    which is what schedulers such as Slurm count. A private (copy-on-write) map or a plain array is left alone."""
+    while array is not None and not hasattr(array, "_mmap"):  # a view of a memmap: its base is
+        array = getattr(array, "base", None)
+    mapping = getattr(array, "_mmap", None)
+    if mapping is None or getattr(array, "mode", "c") == "c" or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    mapping.madvise(mmap.MADV_DONTNEED)

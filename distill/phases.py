@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -196,7 +196,7 @@ class Phase:
             return batch
         return {k: v @ basis if k.startswith("teacher") else v for k, v in batch.items()}
 
-    def _tokenizer(self, student: SentenceTransformer) -> Callable[[list[str]], TokenizedTexts]:
+    def _tokenizer(self, student: SentenceTransformer) -> Callable[[Sequence[str]], TokenizedTexts]:
         """Texts tokenized as the student's kind batches them, once per machine (`cached_tokens`)."""
         return partial(
             cached_tokens,

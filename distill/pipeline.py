@@ -39,11 +39,12 @@ from distill.files import folder_bytes
 from distill.loop import CheckpointSettings, train_phase, training_memory_message
 from distill.metrics import score
 from distill.phases import Phase, PhaseSettings, check_phase_sizes, make_phases, phase_settings
+from distill.prepared import prepared_data
 from distill.report import check_output_dir, prepare_output_dir, results_table, write_results
 from distill.results import PhaseFigures, RunResults
 from distill.stages.candidates import check_candidates, score_candidates
 from distill.stages.cost import CostTexts, Efficiency, cost_table, measure_student, trade_off_line
-from distill.stages.data import DistillData, load_data
+from distill.stages.data import DistillData
 from distill.stages.export import deployable_model, export_models, push_to_hub
 from distill.stages.initialise import (
     PHASE1_TEACHER,
@@ -72,6 +73,7 @@ from distill.tracking import tracker_config
 logger = get_logger(__name__)
 NO_EVALUATION = "(no evaluation set)"
 TOKENS = "tokens"  # under --teacher_cache_dir: each machine's tokenized texts (distill/tokens.py)
+DATA = "data"  # under --teacher_cache_dir: each machine's read and cleaned data (distill/prepared.py)
 
 
 def run(config: Config) -> RunResults:
@@ -82,7 +84,8 @@ def run(config: Config) -> RunResults:
     check_declared_dimensions(config.teacher, config.student, config.mode)  # a wrong pairing fails in seconds
     student = student_kind(config.student.student_model).describe(config.student, config.teacher)
     with stage("data"):
-        data = load_data(config.data, config.training.seed, "phase1" in trained, "phase2" in trained)
+        caches = Path(config.output.teacher_cache_dir).expanduser()
+        data = prepared_data(config.data, config.training.seed, "phase1" in trained, "phase2" in trained, caches / DATA)
         check_phase_sizes(phases, data, config.training.batch_size, accelerator.num_processes)
         if config.reranker.reranker_model is not None:
             check_candidates(data, config.data.mine_hard_negatives)
@@ -91,7 +94,7 @@ def run(config: Config) -> RunResults:
         teacher = teacher_stage(accelerator, config, data, costs, student)
     with stage("student"):
         model, dims, bases = student_stage(accelerator, config, data, teacher)
-        tokens = Path(config.output.teacher_cache_dir).expanduser() / TOKENS
+        tokens = caches / TOKENS
         evaluation = eval_inputs(model.student, data, teacher.evaluation, bases["phase2"], tokens)
     output_dir = prepare_output_dir(accelerator, config)  # inputs are valid: from here on the run writes
     accelerator.init_trackers(config.output.tracker_project, config=tracker_config(config))

@@ -19,17 +19,19 @@ computed is the teacher stage's business (distill/stages/targets.py); their upke
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
 import shutil
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal, Protocol
 
 import numpy as np
 
-from distill.files import read_json
+from distill.files import drop_pages, read_json
 
 Role = Literal["query", "document", "pair"]  # "pair": a reranker's (query, passage) pairs
 
@@ -53,6 +55,16 @@ DIGEST_BYTES = 16
 
 
 CACHE_DTYPE = np.float16
+
+
+def text_digests(texts: Sequence[str]) -> np.ndarray:
+    """Each text's 16-byte BLAKE2b digest, as numpy void: what an entry's per-text index holds (a column of
+    distill/prepared.py brings them computed)."""
+    digests = getattr(texts, "digests", None)
+    if digests is not None:
+        return digests
+    raw = b"".join(hashlib.blake2b(text.encode("utf8"), digest_size=DIGEST_BYTES).digest() for text in texts)
+    return np.frombuffer(raw, dtype=f"V{DIGEST_BYTES}")
 
 
 KEY = re.compile(r"[0-9a-f]{32}")
@@ -178,6 +190,7 @@ class CacheWriter:
             return
         try:
             self.vectors.flush()
+            drop_pages(self.vectors)  # written back: the entry's pages need not stay in this process
             progress = self.staging / "progress.json"
             tmp = progress.with_suffix(".tmp")
             tmp.write_text(json.dumps({**self._identity(), "rows_done": rows_done}))

@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -30,8 +30,11 @@ from distill.files import read_json
 TOKENS_FORMAT = 1
 
 
-def texts_fingerprint(texts: list[str]) -> str:
-    """A digest of a list of texts, in order."""
+def texts_fingerprint(texts: Sequence[str]) -> str:
+    """A digest of a list of texts, in order (a column of distill/prepared.py brings it computed)."""
+    known = getattr(texts, "fingerprint", None)
+    if known:
+        return known
     digest = hashlib.sha256()
     for text in texts:
         encoded = text.encode("utf8")
@@ -57,7 +60,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 def cached_tokens(
-    make: Callable[..., Any], tokenizer: Any, texts: list[str], folder: Path | None, **kwargs: Any
+    make: Callable[..., Any], tokenizer: Any, texts: Sequence[str], folder: Path | None, **kwargs: Any
 ) -> Any:
     """`make(tokenizer, texts, **kwargs)`, tokenized once per machine into `folder` and memory-mapped from there
     (without a folder: tokenized here)."""

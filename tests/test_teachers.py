@@ -26,6 +26,7 @@ import distill.teachers.vectors as vectors_module
 from conftest import sentences, teacher_spec, tiny_run_flags
 from distill.config import load_config
 from distill.errors import DistillError
+from distill.files import drop_pages
 from distill.hub import resolve_model
 from distill.pipeline import teacher_context
 from distill.stages.targets import TeacherCache
@@ -317,6 +318,39 @@ def test_a_streamed_vectors_file_of_uneven_widths_is_one_line(tmp_path, kind, mo
     with pytest.raises(DistillError, match=r"^teacher_vectors: .* not all of one width|holds no list of numbers"):
         read_vectors(path, tmp_path / "files")
     assert list((tmp_path / "files").iterdir()) == []
+
+
+def test_a_texts_file_is_read_a_chunk_at_a_time_as_splitlines_cuts_it(tmp_path, monkeypatch) -> None:
+    """Chunks of 3 characters end inside lines, between a CR and its LF, and on a line break: the lines are
+    `read_text().splitlines()`'s, and a vectors teacher finds each run text's row by its digest (the first of
+    repeats, whitespace collapsed), -1 where the file lacks it."""
+    monkeypatch.setattr(vectors_module, "LINE_CHUNK_CHARS", 3)
+    path = tmp_path / "texts.txt"
+    path.write_bytes("one\r\ntwo  words\n\nthree\rfour\u2028five\r\nsix\nfour\n seven ".encode())
+    assert list(vectors_module.file_texts(path)) == path.read_text(encoding="utf8").splitlines()
+    np.save(tmp_path / "texts.npy", np.eye(9, dtype=np.float32))
+    teacher = VectorsTeacher(str(tmp_path / "texts.npy"), caches=None)
+    rows = teacher.rows(["four", "two words", "seven", "missing", "one", ""])
+    np.testing.assert_array_equal(rows, [4, 1, 8, -1, 0, 2])
+    (tmp_path / "texts.jsonl").write_text('{"text": "a"}\n\n{"text": "b\\nc"}\n')
+    assert list(vectors_module.file_texts(tmp_path / "texts.jsonl")) == ["a", "b\nc"]
+
+
+def test_dropping_a_maps_pages_keeps_what_was_written(tmp_path) -> None:
+    """A written shared map's pages leave the process and its data stays (in the file); a private copy-on-write
+    map, whose changes live only in the process, is left alone."""
+    written = np.lib.format.open_memmap(tmp_path / "a.npy", mode="w+", dtype=np.float32, shape=(4096, 64))
+    written[:] = np.arange(64, dtype=np.float32)
+    drop_pages(written[10:20])  # a view finds its map
+    assert float(written[4095, 63]) == 63.0
+    written.flush()
+    del written
+    np.testing.assert_array_equal(np.load(tmp_path / "a.npy")[-1], np.arange(64, dtype=np.float32))
+    private = np.load(tmp_path / "a.npy", mmap_mode="c")
+    private[0, 0] = -1.0
+    drop_pages(private)
+    assert float(private[0, 0]) == -1.0
+    drop_pages(np.zeros(3))  # not a map: nothing to do
 
 
 def test_a_vectors_file_is_streamed_once_and_read_back_by_a_later_run(tmp_path, monkeypatch) -> None:

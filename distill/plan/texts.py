@@ -4,6 +4,7 @@ the teacher's and the student's tokenizers, prompts included."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 SAMPLE = 2000  # texts per list tokenized for the length statistics
 
 
-def length_stats(tokenizer: Any, texts: list[str], prompt: str, max_length: int | None) -> tuple[float, float, int]:
+def length_stats(tokenizer: Any, texts: Sequence[str], prompt: str, max_length: int | None) -> tuple[float, float, int]:
     """(mean, mean square, max) of the texts' lengths in tokens, as the model reads them."""
     if not texts:
         return 0.0, 0.0, 0
@@ -38,7 +39,7 @@ def length_stats(tokenizer: Any, texts: list[str], prompt: str, max_length: int 
     return sum(lengths) / len(lengths), sum(n * n for n in lengths) / len(lengths), max(lengths)
 
 
-def tokenize_seconds(tokenizer: Any, texts: list[str], passes: int = 2) -> float:
+def tokenize_seconds(tokenizer: Any, texts: Sequence[str], passes: int = 2) -> float:
     """Seconds per text the run's tokenizing takes on this machine: the texts in chunks as the run cuts them (no
     truncation), the best of `passes` (the first pays the tokenizer's warm-up)."""
     from distill.batching import TOKENIZE_CHUNK
@@ -52,18 +53,18 @@ def tokenize_seconds(tokenizer: Any, texts: list[str], passes: int = 2) -> float
     return best / max(len(texts), 1)
 
 
-def sample(texts: list[str], seed: int) -> list[str]:
+def sample(texts: Sequence[str], seed: int) -> list[str]:
     import numpy as np
 
     if len(texts) <= SAMPLE:
-        return texts
+        return list(texts)
     chosen = np.random.default_rng(seed).choice(len(texts), SAMPLE, replace=False)
     return [texts[i] for i in sorted(chosen)]
 
 
 def text_lists(
     config: Config, need_phase1: bool, need_phase2: bool
-) -> tuple[dict[str, tuple[str, Role, list[str]]], DataReading]:
+) -> tuple[dict[str, tuple[str, Role, Sequence[str]]], DataReading]:
     """{name: (phase, role, texts)} for every list the teacher encodes, read as the run reads them; and what reading
     them cost here (seconds, resident bytes before and after)."""
     from distill.plan.devices import peak_bytes, resident_bytes
@@ -72,7 +73,7 @@ def text_lists(
     before, started = resident_bytes(), time.perf_counter()
     data = load_data(config.data, config.training.seed, need_phase1, need_phase2)
     seconds, after = time.perf_counter() - started, peak_bytes()
-    lists: dict[str, tuple[str, Role, list[str]]] = {}
+    lists: dict[str, tuple[str, Role, Sequence[str]]] = {}
     if need_phase1 and data.phase1_texts:
         lists["phase1 texts"] = ("phase1", "document", data.phase1_texts)
     if need_phase2 and len(data.phase2):
@@ -105,7 +106,7 @@ def own_token_limit(folder: Path, spec: Source | RemoteTeacher) -> int | None:
 
 
 def measure_texts(
-    config: Config, lists: dict[str, tuple[str, Role, list[str]]], models: Models
+    config: Config, lists: dict[str, tuple[str, Role, Sequence[str]]], models: Models
 ) -> tuple[list[TextList], str]:
     """Every text list of the run (`text_lists`) with its lengths in both tokenizers; which tokenizer counted
     the teacher's. Phase 1's own target, if any, counts phase 1's texts with its tokenizer and prompts."""

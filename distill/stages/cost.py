@@ -42,7 +42,7 @@ import platform
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -96,6 +96,8 @@ class CostTexts:
         """Evaluation passages and queries (else training texts); None when `count` is 0 (not measured)."""
         if count <= 0:
             return None
+        passages: Sequence[str]
+        queries: Sequence[str]
         if data.evaluation is not None:
             passages, queries = data.evaluation.corpus, data.evaluation.queries
         elif data.phase1_texts:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import random
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import TYPE_CHECKING, Any
@@ -52,11 +53,16 @@ NEGATIVE_COLUMN = re.compile(r"(hard_)?(negative|negatives|neg)(_?(\d+))?$")
 
 @dataclass
 class Pairs:
-    """Phase-2 training pairs; `negatives[i]` are hard negatives of query i (same count for every query)."""
+    """Phase-2 training pairs; `negatives[i]` are hard negatives of query i (same count for every query).
 
-    queries: list[str]
-    passages: list[str]
-    negatives: list[list[str]] = field(default_factory=list)
+    `candidates`, where the data is kept as one column (distill/prepared.py): the positives, then every query's
+    negatives, as `passage_texts` lists them.
+    """
+
+    queries: Sequence[str]
+    passages: Sequence[str]
+    negatives: Sequence[list[str]] = field(default_factory=list)
+    candidates: Sequence[str] | None = None
 
     def __len__(self) -> int:
         return len(self.queries)
@@ -101,11 +107,27 @@ class EvalVectors:
     sts: np.ndarray | None
 
 
+COLLECTORS: list[list[str]] = []  # what `warn` said inside each open `collected()` block
+
+
+@contextmanager
+def collected() -> Iterator[list[str]]:
+    """The lines `warn` says inside the block, so that a run reading the data back can say them again."""
+    said: list[str] = []
+    COLLECTORS.append(said)
+    try:
+        yield said
+    finally:
+        COLLECTORS.remove(said)
+
+
 def warn(message: str) -> None:
     """A warning from the main process; also where no Accelerate state exists (a Python caller of `load_data`),
     for which accelerate's logger has no rank to ask."""
     from accelerate.state import PartialState
 
+    for said in COLLECTORS:
+        said.append(message)
     if PartialState._shared_state:
         logger.warning(message, main_process_only=True)
     else:
@@ -114,7 +136,7 @@ def warn(message: str) -> None:
 
 @dataclass
 class DistillData:
-    phase1_texts: list[str]
+    phase1_texts: Sequence[str]
     phase2: Pairs
     evaluation: EvalSet | None
     capped: dict[str, int] = field(default_factory=dict)  # the caps the data reached: option name -> the cap
@@ -146,7 +168,8 @@ def load_data(config: DataConfig, seed: int, need_phase1: bool = True, need_phas
         phase2 = Pairs([], [])
         capped.pop("max_samples_phase2", None)  # read for the held-out queries only
     elif config.max_samples_phase2 is not None and len(phase2) > config.max_samples_phase2:
-        phase2 = Pairs(*(column[: config.max_samples_phase2] for column in _columns(phase2)))
+        cap = config.max_samples_phase2
+        phase2 = Pairs(phase2.queries[:cap], phase2.passages[:cap], phase2.negatives[:cap])
     if "max_samples_phase2" in capped:
         besides = f", and {holdout:,} held out for evaluation" if holdout else ""
         what, cap = f"phase-2 data {config.phase2_data!r}", capped["max_samples_phase2"]
@@ -384,10 +407,12 @@ def embedded_eval_set(seed: int, max_queries: int) -> EvalSet:
     return EvalSet(queries, corpus, relevant, sts_texts, sts_pairs, sts_scores)
 
 
-def passage_texts(pairs: Pairs) -> tuple[list[str], np.ndarray]:
+def passage_texts(pairs: Pairs) -> tuple[Sequence[str], np.ndarray]:
     """Positives then all negatives, and for each query the rows of its positive and its negatives."""
     count, per_query = len(pairs), len(pairs.negatives[0]) if pairs.negatives else 0
-    texts = pairs.passages + [n for negatives in pairs.negatives for n in negatives]
+    texts = pairs.candidates
+    if texts is None:
+        texts = list(pairs.passages) + [n for negatives in pairs.negatives for n in negatives]
     rows = np.arange(count)[:, None]
     if per_query:
         rows = np.concatenate([rows, count + np.arange(count * per_query).reshape(count, per_query)], axis=1)
@@ -447,7 +472,3 @@ def _nanobeir_rows(dataset_id: str, subset: str, split: str) -> Any:
             f"eval_data nanobeir: cannot read {dataset_id!r} (subset {subset!r}, split {split!r}: {first_line(e)}); "
             "NanoBEIR needs the Hub, or a local copy in the same format: --eval_data nanobeir:FOLDER"
         ) from None
-
-
-def _columns(pairs: Pairs) -> tuple[list, list, list]:
-    return pairs.queries, pairs.passages, pairs.negatives

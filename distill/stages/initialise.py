@@ -6,6 +6,7 @@ or the rotation and the teacher's PCA basis (Matryoshka mode) on a sample of the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -62,7 +63,7 @@ def build_student(
     context: LoadContext,
     fitting: Fitting,
     teacher_dim: int,
-    fit_texts: list[str],
+    fit_texts: Sequence[str],
     fit_targets: np.ndarray | None,
 ) -> tuple[DistillationModel, list[int] | None, np.ndarray | None]:
     """The student stage: the student; a fitted projection in projection mode, MRL dims (and basis) otherwise.

@@ -7,6 +7,7 @@ shares are gathered; nothing is encoded again. docs/BENCHMARKS.md gives its memo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 
 import numpy as np
@@ -149,7 +150,7 @@ def warn_relaxed(relaxed: int, queries: int, count: int, margin: float) -> None:
 
 
 def mined_negatives(
-    accelerator: Accelerator, count: int, texts: list[str], queries: np.ndarray, passages: np.ndarray
+    accelerator: Accelerator, count: int, texts: Sequence[str], queries: np.ndarray, passages: np.ndarray
 ) -> np.ndarray:
     """The teacher's hardest negatives for each pair, other pairs' passages (nothing more to encode).
 

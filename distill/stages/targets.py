@@ -21,7 +21,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -35,19 +35,20 @@ from distill.allocator import release_freed_memory
 from distill.config.schema import TeacherConfig
 from distill.distributed import agreed, everyone, main_decides, progress_bar, smallest, writes_for_this_machine
 from distill.errors import DistillError
+from distill.prepared import pick
 from distill.sharding import map_sharded
 from distill.stages.cost import CostTexts, ModelCost, TeacherCosts, device_label
 from distill.stages.data import DistillData, EvalSet, EvalVectors, passage_texts
 from distill.stages.negatives import mined_negatives
 from distill.store import (
     CACHE_FORMAT,
-    DIGEST_BYTES,
     KEY,
     CacheWriter,
     Role,
     read_entry,
     read_index,
     read_json_or_empty,
+    text_digests,
     touch,
 )
 from distill.teachers import CachedSource, Encoder, Source, TeacherContext, make_source, members_of
@@ -64,12 +65,6 @@ REUSE_CHUNK = 65536  # rows copied at once from an earlier entry into a new one
 
 def digest(fields: dict[str, object]) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
-
-
-def text_digests(texts: list[str]) -> np.ndarray:
-    """Each text's 16-byte BLAKE2b digest, as numpy void: what an entry's per-text index holds."""
-    raw = b"".join(hashlib.blake2b(text.encode("utf8"), digest_size=DIGEST_BYTES).digest() for text in texts)
-    return np.frombuffer(raw, dtype=f"V{DIGEST_BYTES}")
 
 
 @dataclass
@@ -146,7 +141,7 @@ class TeacherCache:
         self._identity: str | None = None
         self._said_unindexed = False
 
-    def key(self, texts: list[str], role: Role) -> str:
+    def key(self, texts: Sequence[str], role: Role) -> str:
         """The entry of these texts: everything that changes the vectors, and the texts."""
         return digest({**self._fields(role), "texts": texts_fingerprint(texts)})
 
@@ -160,7 +155,7 @@ class TeacherCache:
             self._identity = self.source.identity(self.accelerator, memo)
         return {"format": CACHE_FORMAT, "model": self._identity, **self.source.key_fields(role)}
 
-    def embeddings(self, texts: list[str], role: Role, reuse: bool = True) -> np.ndarray:
+    def embeddings(self, texts: Sequence[str], role: Role, reuse: bool = True) -> np.ndarray:
         """(len(texts), teacher_dim) float16, memory-mapped read-only; computed on a miss.
 
         On a miss, the rows other entries of this teacher and role hold are reused (`reuse`), and only the texts
@@ -202,7 +197,7 @@ class TeacherCache:
         return self._committed(writer, entry, key, len(texts))
 
     def _writer(
-        self, entry: Path, key: str, texts: list[str], role: Role, digests: np.ndarray | None = None
+        self, entry: Path, key: str, texts: Sequence[str], role: Role, digests: np.ndarray | None = None
     ) -> CacheWriter | None:
         """The writer of `entry` on this machine's writing process (None on the others), with each text's digest
         (`digests`, where the caller has them already)."""
@@ -225,7 +220,7 @@ class TeacherCache:
             )
         return cached
 
-    def _reuse_rows(self, texts: list[str], role: Role, key: str) -> np.ndarray | None:
+    def _reuse_rows(self, texts: Sequence[str], role: Role, key: str) -> np.ndarray | None:
         """The entry of `texts` put together from the rows other entries of this teacher and role hold, the texts
         none holds encoded first (as an entry of their own); None where no entry holds any of them.
 
@@ -244,7 +239,7 @@ class TeacherCache:
             f"teacher cache: {int(held.sum()):,} of {len(texts):,} {role} texts found in earlier entries; "
             f"encoding the other {len(missing):,}, then writing {entry}"
         )
-        new_texts = [texts[i] for i in missing]
+        new_texts = pick(texts, missing)
         encoded = self.embeddings(new_texts, role, reuse=False) if new_texts else None
         self.accelerator.wait_for_everyone()  # every rank has decided before the writer replaces anything
         started = time.perf_counter()
@@ -269,7 +264,7 @@ class TeacherCache:
                 main_process_only=True,
             )
 
-    def _encode_sharded(self, texts: list[str], role: Role, writer: CacheWriter | None) -> None:
+    def _encode_sharded(self, texts: Sequence[str], role: Role, writer: CacheWriter | None) -> None:
         """Each process encodes its share of the texts, block by block, longest first, into `writer`.
 
         A batch that runs the GPU out of memory is encoded in halves, and so is every later one of its block
@@ -383,7 +378,7 @@ class TeacherVectors:
     scores: np.ndarray | None = None  # the reranker's, of each query's passage_rows (distill/stages/candidates.py)
     reranker: dict[str, object] | None = None  # what results.json says of the reranker
 
-    def fit_sample(self, data: DistillData) -> tuple[list[str], np.ndarray | None]:
+    def fit_sample(self, data: DistillData) -> tuple[Sequence[str], np.ndarray | None]:
         """Texts and teacher vectors a projection or basis is fitted on: phase 1's, else phase 2's passages."""
         if data.phase1_texts and self.phase1 is not None:
             return data.phase1_texts, self.phase1
@@ -463,7 +458,7 @@ def embed_with_teacher(
 def eval_vectors(cache: CachedSource, evaluation: EvalSet) -> EvalVectors:
     """A teacher's unit vectors of the evaluation set's queries, corpus and STS texts, through its cache."""
 
-    def embed(texts: list[str], role: Role) -> np.ndarray:
+    def embed(texts: Sequence[str], role: Role) -> np.ndarray:
         return np.asarray(cache.embeddings(texts, role), dtype=np.float32)
 
     sts = embed(evaluation.sts_texts, "document") if evaluation.sts_texts else None

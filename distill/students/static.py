@@ -26,7 +26,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -284,7 +284,12 @@ class StaticTexts(TokenizedTexts):
     """Texts tokenized as model2vec tokenizes them, batched as `StaticEmbedding` reads them (flat ids, offsets)."""
 
     def __init__(
-        self, tokenizer: Any, texts: list[str], max_length: float | None = None, pad_to_multiple_of: int = 1, **_: Any
+        self,
+        tokenizer: Any,
+        texts: Sequence[str],
+        max_length: float | None = None,
+        pad_to_multiple_of: int = 1,
+        **_: Any,
     ):
         # no truncation by default (a static model's max_seq_length is inf): neither export truncates either
         # (the model2vec folder's max_length is None, StaticEmbedding has none)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,7 +139,7 @@ class EndpointTeacher:
             self._client = openai_client(self.base_url, self.api_key_env)
         return self._client
 
-    def encoder(self, accelerator: Accelerator, texts: list[str], role: Role) -> Encoder:
+    def encoder(self, accelerator: Accelerator, texts: Sequence[str], role: Role) -> Encoder:
         """Requests of the texts at the indices of each batch, IN_FLIGHT at once; a batch is IN_FLIGHT requests."""
         prompt = self.prompt(role)
         inputs = [prompt + text for text in texts]

@@ -11,6 +11,7 @@ weights. Matryoshka mode reads it in its principal axes like any teacher; projec
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -60,7 +61,7 @@ class EnsembleTeacher:
     def key_fields(self, role: Role) -> dict[str, object]:
         return {"members": [m.key_fields(role) for m in self.members]}
 
-    def member_embeddings(self, texts: list[str], role: Role) -> list[np.ndarray]:
+    def member_embeddings(self, texts: Sequence[str], role: Role) -> list[np.ndarray]:
         """Each member's vectors of `texts`, through its own cache entries (collective); members freed in turn."""
         vectors = []
         for member, cache in zip(self.members, self.member_caches):
@@ -68,7 +69,7 @@ class EnsembleTeacher:
             member.release()  # one member's model in memory at a time
         return vectors
 
-    def encoder(self, accelerator: Accelerator, texts: list[str], role: Role) -> Encoder:
+    def encoder(self, accelerator: Accelerator, texts: Sequence[str], role: Role) -> Encoder:
         parts = self.member_embeddings(texts, role)
         scales = [float(np.sqrt(w)) for w in self.weights]
 

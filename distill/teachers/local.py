@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -196,7 +197,7 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def check_finite(vectors: np.ndarray, rows: np.ndarray, texts: list[str], role: Role, spec: TeacherSpec) -> None:
+def check_finite(vectors: np.ndarray, rows: np.ndarray, texts: Sequence[str], role: Role, spec: TeacherSpec) -> None:
     """A DistillError if any teacher vector (row i is the text `texts[rows[i]]`) holds NaN or inf.
 
     Called on each gathered chunk before it is cached: a non-finite target would make the student's loss
@@ -218,7 +219,7 @@ def tokenize_ahead(device: torch.device) -> bool:
 
 
 def token_lengths(
-    model: SentenceTransformer, texts: list[str], max_length: int | None, chunk_size: int = TOKENIZE_CHUNK
+    model: SentenceTransformer, texts: Sequence[str], max_length: int | None, chunk_size: int = TOKENIZE_CHUNK
 ) -> list[int]:
     """Token count of each text under `model`'s tokenizer, truncated as the model will truncate it.
 
@@ -274,7 +275,7 @@ class LocalTeacher:
             "compute_dtype": self.spec.compute_dtype,
         }
 
-    def encoder(self, accelerator: Accelerator, texts: list[str], role: Role) -> Encoder:
+    def encoder(self, accelerator: Accelerator, texts: Sequence[str], role: Role) -> Encoder:
         """Per batch what `SentenceTransformer.encode` does (`preprocess` with the prompt, forward, normalise),
         batches sorted by exact token count. On a GPU the next batch is tokenized in a background thread while this
         one runs, since a small teacher otherwise waits for the tokenizer between batches; on a CPU the forward

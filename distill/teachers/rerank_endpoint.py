@@ -14,6 +14,7 @@ the cached blocks and asks for no pair twice.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -66,7 +67,7 @@ class RerankEndpoint:
             self._client = openai_client(self.base_url, self.api_key_env)
         return self._client
 
-    def encoder(self, accelerator: Accelerator, texts: list[str], role: Role) -> Encoder:
+    def encoder(self, accelerator: Accelerator, texts: Sequence[str], role: Role) -> Encoder:
         """Each batch's pairs as one request per query, IN_FLIGHT at once.
 
         Every pair of a query gets the same length key, unique to the query, so the cache's longest-first order

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,7 +52,7 @@ def split_pair(text: str) -> tuple[str, str]:
     return query, passage
 
 
-def candidate_pairs(queries: list[str], passages: list[str], rows: np.ndarray) -> list[str]:
+def candidate_pairs(queries: Sequence[str], passages: Sequence[str], rows: np.ndarray) -> list[str]:
     """Each query's pairs with its candidates, `passages[rows[i, j]]`, query by query: (queries x candidates)."""
     return [pair_text(queries[i], passages[j]) for i in range(len(queries)) for j in rows[i].tolist()]
 
@@ -118,7 +119,7 @@ class CrossEncoderTeacher:
             self.load_seconds += time.perf_counter() - started
         return self.model
 
-    def encoder(self, accelerator: Accelerator, texts: list[str], role: Role) -> Encoder:
+    def encoder(self, accelerator: Accelerator, texts: Sequence[str], role: Role) -> Encoder:
         """The raw logits of the pairs at each batch's indices (no sigmoid: the losses read margins and softmaxes)."""
         model = self.load(accelerator)
         lengths = np.fromiter((len(text) for text in texts), dtype=np.int64, count=len(texts))

@@ -7,7 +7,7 @@ them (several teachers, a vectors file); `register_teacher_kind` adds another fr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -81,7 +81,7 @@ class Source(Protocol):
         """What else changes its vectors of `role` texts: prompt, length, dtype, dimensions."""
         ...
 
-    def encoder(self, accelerator: Accelerator, texts: list[str], role: Role) -> Encoder: ...
+    def encoder(self, accelerator: Accelerator, texts: Sequence[str], role: Role) -> Encoder: ...
 
     def cost(self, accelerator: Accelerator, texts: CostTexts, costs: TeacherCosts) -> ModelCost | None:
         """Its size and speed on this machine (kept in `costs`), or None where no comparable figure exists."""
@@ -104,9 +104,9 @@ class CachedSource(Protocol):
     source: Source
     seconds: float
 
-    def embeddings(self, texts: list[str], role: Role) -> np.ndarray: ...
+    def embeddings(self, texts: Sequence[str], role: Role) -> np.ndarray: ...
 
-    def key(self, texts: list[str], role: Role) -> str: ...
+    def key(self, texts: Sequence[str], role: Role) -> str: ...
 
     def cost(self, texts: CostTexts, key: str) -> ModelCost | None: ...
 

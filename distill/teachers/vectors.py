@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
@@ -32,8 +32,10 @@ import torch
 
 from distill.distributed import writes_for_this_machine
 from distill.errors import DistillError
+from distill.files import drop_pages
+from distill.prepared import pick
 from distill.records import pick_column
-from distill.store import Role
+from distill.store import Role, text_digests
 from distill.teachers.sources import Caches, Encoder, Source
 
 if TYPE_CHECKING:
@@ -47,6 +49,7 @@ ARRAYS = ("embeddings.npy", "vectors.npy")
 TEXT_FILES = ("texts.txt", "texts.jsonl")
 NOT_TIMED = "the teacher's vectors were read from a file, so its speed is not measured"
 CHUNK_ROWS = 8192  # rows of a .parquet or .jsonl file held at once while it is streamed into an array
+LINE_CHUNK_CHARS = 1 << 24  # characters of a texts file read at a time
 STREAMED = (".parquet", ".jsonl")
 
 
@@ -62,9 +65,8 @@ class VectorsTeacher:
         self.path = str(self.file)  # what a cache manifest records
         self.revision: str | None = None
         self.max_seq_length: int | None = None
-        self._texts: list[str] | None = None
-        self._vectors: np.ndarray | None = None
-        self._rows: dict[str, int] | None = None
+        self._files_read: tuple[Path, np.ndarray] | None = None
+        self._index: tuple[np.ndarray, np.ndarray] | None = None  # the file's distinct text digests, sorted; rows
 
     @property
     def loaded(self) -> bool:
@@ -88,15 +90,14 @@ class VectorsTeacher:
     def key_fields(self, role: Role) -> dict[str, object]:
         return {"fill": self.fill.key_fields(role) if self.fill is not None else None}
 
-    def encoder(self, accelerator: Accelerator, texts: list[str], role: Role) -> Encoder:
+    def encoder(self, accelerator: Accelerator, texts: Sequence[str], role: Role) -> Encoder:
         """Each text's row of the file, or of the fill's vectors of the texts the file lacks."""
-        if self.file.suffix in STREAMED and self._texts is None:  # streamed once per machine, then read by all
+        if self.file.suffix in STREAMED and self._files_read is None:  # streamed once per machine, then read by all
             if accelerator is None or writes_for_this_machine(accelerator):
                 streamed_copy(self.file, self.workdir)
             if accelerator is not None:
                 accelerator.wait_for_everyone()
-        rows_of, vectors = self.rows(), self.vectors()
-        rows = np.array([rows_of.get(text, -1) for text in texts], dtype=np.int64)
+        rows, vectors = self.rows(texts), self.vectors()
         missing = np.flatnonzero(rows < 0)
         filled = None
         if len(missing) and self.fill is None:
@@ -107,7 +108,7 @@ class VectorsTeacher:
             )
         if len(missing):
             assert self.fill is not None
-            filled = self.caches(self.fill).embeddings([texts[i] for i in missing], role)  # collective, cached
+            filled = self.caches(self.fill).embeddings(pick(texts, missing), role)  # collective, cached
             if filled.shape[1] != vectors.shape[1]:
                 raise DistillError(
                     f"teacher_vectors: {self.file} holds {vectors.shape[1]}-d vectors, but --teacher_model "
@@ -122,28 +123,40 @@ class VectorsTeacher:
             out[from_file] = vectors[picked[from_file]]
             if filled is not None and (~from_file).any():
                 out[~from_file] = filled[-1 - picked[~from_file]]
+            drop_pages(vectors)  # a large file read through its map holds none of it in this process
             norms = np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
             return torch.from_numpy(out / norms)
 
         return Encoder(lengths=np.zeros(len(texts), dtype=np.int64), encode=encode, batch_size=4096)
 
-    def rows(self) -> dict[str, int]:
-        """Each text of the file (whitespace collapsed, as the run's data is) -> its row; the first of repeats."""
-        if self._rows is None:
-            self._rows = {}
-            for row, text in enumerate(self.texts()):
-                self._rows.setdefault(" ".join(str(text).split()), row)
-        return self._rows
+    def rows(self, texts: Sequence[str]) -> np.ndarray:
+        """Each text's row of the file, -1 where it lacks the text: matched by digest (the file's texts with
+        whitespace collapsed, as the run's data is; the first of repeats), so no text of the file is held."""
+        if self._index is None:
+            texts_file, vectors = self.files()
+            digests = file_digests(texts_file)
+            checked(self.file, len(digests), vectors)
+            unique, first = np.unique(digests, return_index=True)
+            self._index = unique, first.astype(np.int64)
+        unique, first = self._index
+        wanted = text_digests(texts)
+        if not len(unique):
+            return np.full(len(wanted), -1, dtype=np.int64)
+        at = np.minimum(np.searchsorted(unique, wanted), len(unique) - 1)
+        return np.where(unique[at] == wanted, first[at], -1)
+
+    def files(self) -> tuple[Path, np.ndarray]:
+        """(the file of its texts, its vectors memory-mapped)."""
+        if self._files_read is None:
+            self._files_read = vector_files(self.file, self.workdir)
+        return self._files_read
 
     def texts(self) -> list[str]:
-        if self._texts is None:
-            self._texts, self._vectors = read_vectors(self.file, self.workdir)
-        return self._texts
+        """The file's texts, in its order."""
+        return list(file_texts(self.files()[0]))
 
     def vectors(self) -> np.ndarray:
-        if self._vectors is None:
-            self._texts, self._vectors = read_vectors(self.file, self.workdir)
-        return self._vectors
+        return self.files()[1]
 
     def _files(self) -> list[Path]:
         if self.file.is_dir():
@@ -158,7 +171,7 @@ class VectorsTeacher:
         return NOT_TIMED
 
     def release(self) -> None:
-        self._rows = self._texts = self._vectors = None
+        self._files_read = self._index = None
         if self.fill is not None:
             self.fill.release()
 
@@ -170,6 +183,15 @@ def beside(array: Path) -> list[Path]:
 def read_vectors(path: Path, workdir: Path | None = None) -> tuple[list[str], np.ndarray]:
     """(texts, (len(texts), dim) float vectors, memory-mapped) from a vectors file or folder; a DistillError says
     what is wrong. A .parquet or .jsonl file is read from its streamed copy under `workdir` (made if missing)."""
+    texts_file, vectors = vector_files(path, workdir)
+    texts = list(file_texts(texts_file))
+    checked(path, len(texts), vectors)
+    return texts, vectors
+
+
+def vector_files(path: Path, workdir: Path | None = None) -> tuple[Path, np.ndarray]:
+    """(the file of the texts, the vectors memory-mapped) of a vectors file or folder; a .parquet or .jsonl file's
+    from its streamed copy under `workdir` (made if missing)."""
     if path.suffix in STREAMED and path.is_file():
         path = streamed_copy(path, workdir)
     if path.is_dir():
@@ -180,7 +202,7 @@ def read_vectors(path: Path, workdir: Path | None = None) -> tuple[list[str], np
                 f"teacher_vectors: folder {str(path)!r} needs {' or '.join(ARRAYS)} and {' or '.join(TEXT_FILES)}; "
                 "add them, or pass a .parquet or .jsonl file"
             )
-        return _checked(path, _read_texts(texts), np.load(array, mmap_mode="r"))
+        return texts, np.load(array, mmap_mode="r")
     if path.suffix == ".npy":
         texts = next((p for p in beside(path) if p.is_file()), None)
         if texts is None:
@@ -188,18 +210,50 @@ def read_vectors(path: Path, workdir: Path | None = None) -> tuple[list[str], np
                 f"teacher_vectors: {str(path)!r} needs its texts beside it, in {path.with_suffix('.txt').name} "
                 f"(one per line) or {path.with_suffix('.jsonl').name}; add one"
             )
-        return _checked(path, _read_texts(texts), np.load(path, mmap_mode="r"))
+        return texts, np.load(path, mmap_mode="r")
     raise DistillError(
         f"teacher_vectors: expected a .parquet, .jsonl or .npy file or a folder, got {str(path)!r}; convert it to one"
     )
 
 
-def _read_texts(path: Path) -> list[str]:
+def file_texts(path: Path) -> Iterator[str]:
+    """The texts of a .txt (one a line, as `str.splitlines` cuts them) or .jsonl file, read a chunk at a time."""
+    lines = _lines(path)
     if path.suffix == ".txt":
-        return path.read_text(encoding="utf8").splitlines()
-    rows = [json.loads(line) for line in path.read_text(encoding="utf8").splitlines() if line.strip()]
-    column = _column(rows[0] if rows else {}, TEXT_COLUMNS, path, "text")
-    return [str(row[column]) for row in rows]
+        yield from lines
+        return
+    column = None
+    for line in lines:
+        if line.strip():
+            row = json.loads(line)
+            column = column or _column(row, TEXT_COLUMNS, path, "text")
+            yield str(row[column])
+
+
+def _lines(path: Path) -> Iterator[str]:
+    """`path.read_text().splitlines()`, without the whole text in memory: the last line of a chunk waits for the
+    next (a chunk can end inside a line)."""
+    rest = ""
+    with path.open(encoding="utf8") as file:
+        while chunk := file.read(LINE_CHUNK_CHARS):
+            lines = (rest + chunk).splitlines(keepends=True)
+            rest = lines.pop()
+            for line in lines:
+                yield line.splitlines()[0]
+    if rest:
+        yield rest.splitlines()[0]
+
+
+def file_digests(path: Path) -> np.ndarray:
+    """The digest of each text of a vectors file's texts file, whitespace collapsed as the run's data is."""
+    digests, chunk = [], []
+    for text in file_texts(path):
+        chunk.append(" ".join(text.split()))
+        if len(chunk) == CHUNK_ROWS:
+            digests.append(text_digests(chunk))
+            chunk = []
+    digests.append(text_digests(chunk))
+    return np.concatenate(digests)
 
 
 def streamed_copy(path: Path, workdir: Path | None = None) -> Path:
@@ -321,10 +375,10 @@ def _column(row: dict, names: tuple[str, ...], path: Path, what: str) -> str:
     return pick_column([row], names, f"teacher_vectors {path}", what)
 
 
-def _checked(path: Path, texts: list[str], vectors: np.ndarray) -> tuple[list[str], np.ndarray]:
-    if vectors.ndim != 2 or len(vectors) != len(texts):
+def checked(path: Path, count: int, vectors: np.ndarray) -> None:
+    """A DistillError unless `vectors` holds one row a text."""
+    if vectors.ndim != 2 or len(vectors) != count:
         raise DistillError(
-            f"teacher_vectors: {path} holds {len(texts):,} texts and vectors of shape {tuple(vectors.shape)}; "
+            f"teacher_vectors: {path} holds {count:,} texts and vectors of shape {tuple(vectors.shape)}; "
             "give one vector per text"
         )
-    return texts, vectors

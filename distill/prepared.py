@@ -1,0 +1,262 @@
+"""The data stage's output kept on disk: each machine reads, cleans, deduplicates and holds out the data once, into
+Arrow files that every process memory-maps.
+
+Without it every process holds the corpus as Python strings (about 400 bytes a text) and reads it again on every
+run. Here the machine's first process runs `load_data` (accelerate's `local_main_process_first`) and writes its
+texts under `<teacher_cache_dir>/data/<key>/`, with each list's fingerprint and per-text digests (what the token and
+teacher caches key by), so no process hashes the corpus again. Every process then reads the texts back as
+`TextColumn`s over the mapped files: read-only sequences that a list's readers accept (an item is a `str`, a slice
+a `list[str]`), whose pages the machine's processes share.
+
+The key hashes the data options, the seed, the phases read and each local source's path, size and modification
+time: an edited file, another seed or another cap is another entry. A Hub dataset has no such stamp, so a run that
+reads one (phase data or NanoBEIR) reads it in every process, as datasets' own cache serves it.
+
+pyarrow's IPC files are what `datasets` keeps its cache in; they are written here directly because a
+`datasets.Dataset`'s column reads come back as Python lists of the whole column.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, overload
+
+import numpy as np
+import pyarrow as pa
+
+from distill.config.schema import DataConfig
+from distill.distributed import machine_first
+from distill.files import read_json
+from distill.records import EMBEDDED, resolve_source
+from distill.stages.data import NANOBEIR, DistillData, EvalGroup, EvalSet, Pairs, collected, load_data, warn
+from distill.store import DIGEST_BYTES, text_digests
+from distill.tokens import texts_fingerprint
+
+PREPARED_FORMAT = 1
+WRITE_ROWS = 65_536  # texts a record batch of the files holds
+READ_ROWS = 8_192  # texts turned into Python strings at a time when a column is iterated
+
+
+class TextColumn(Sequence[str]):
+    """Texts in a memory-mapped Arrow column, read as a list is; `fingerprint` and `digests` are those of
+    `distill.tokens.texts_fingerprint` and `distill.store.text_digests`, computed when the column was written."""
+
+    def __init__(self, array: pa.ChunkedArray, fingerprint: str, digests: np.ndarray) -> None:
+        self.array, self.fingerprint, self.digests = array, fingerprint, digests
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return self.pick(np.arange(start, stop, step))
+            return self.array.slice(start, max(stop - start, 0)).to_pylist()
+        position = index + len(self) if index < 0 else index
+        if not 0 <= position < len(self):
+            raise IndexError(f"text {index} of {len(self)}")
+        return self.array[position].as_py()
+
+    def __iter__(self) -> Iterator[str]:
+        for start in range(0, len(self), READ_ROWS):
+            yield from self.array.slice(start, READ_ROWS).to_pylist()
+
+    def pick(self, rows: Sequence[int] | np.ndarray) -> list[str]:
+        """The texts at `rows`, in their order: one gather a chunk (a chunked array's own `take` would first join
+        its chunks into one copy of the whole column)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        starts = np.cumsum([0] + [len(chunk) for chunk in self.array.chunks])
+        chunk_of = np.searchsorted(starts, rows, side="right") - 1
+        texts: list[str] = [""] * len(rows)
+        for chunk in np.unique(chunk_of):
+            at = np.flatnonzero(chunk_of == chunk)
+            taken = self.array.chunk(int(chunk)).take(pa.array(rows[at] - starts[chunk])).to_pylist()
+            for i, text in zip(at.tolist(), taken, strict=True):
+                texts[i] = text
+        return texts
+
+    def view(self, start: int, stop: int, fingerprint: str) -> TextColumn:
+        """Texts `start` to `stop`, sharing this column's memory; `fingerprint` is theirs."""
+        return TextColumn(self.array.slice(start, stop - start), fingerprint, self.digests[start:stop])
+
+
+class Negatives(Sequence[list[str]]):
+    """Each pair's hard negatives, `width` a pair, over one column: `negatives[i]` is pair i's list."""
+
+    def __init__(self, flat: TextColumn, width: int) -> None:
+        self.flat, self.width = flat, width
+
+    def __len__(self) -> int:
+        return len(self.flat) // self.width
+
+    @overload
+    def __getitem__(self, index: int) -> list[str]: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[list[str]]: ...
+    def __getitem__(self, index: int | slice) -> list[str] | list[list[str]]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        position = index + len(self) if index < 0 else index
+        if not 0 <= position < len(self):
+            raise IndexError(f"pair {index} of {len(self)}")
+        return self.flat[position * self.width : (position + 1) * self.width]
+
+
+def pick(texts: Sequence[str], rows: Sequence[int] | np.ndarray) -> list[str]:
+    """`[texts[i] for i in rows]`, gathered at once from a `TextColumn`."""
+    if isinstance(texts, TextColumn):
+        return texts.pick(rows)
+    return [texts[i] for i in rows]
+
+
+def prepared_data(
+    config: DataConfig, seed: int, need_phase1: bool, need_phase2: bool, folder: Path | None
+) -> DistillData:
+    """`load_data`'s result, read once per machine into `folder` and memory-mapped from there by every process
+    (without a folder, or with a Hub source: read here)."""
+    key = data_key(config, seed, need_phase1, need_phase2)
+    if folder is None or key is None:
+        return load_data(config, seed, need_phase1, need_phase2)
+    entry = folder / key
+    with machine_first():  # the machine's first process reads the data; the others map what it wrote
+        if not (entry / "fields.json").is_file():
+            with collected() as said:
+                data = load_data(config, seed, need_phase1, need_phase2)
+            save(data, said, entry)
+            del data
+            return load(entry, replay=False)
+    return load(entry, replay=True)
+
+
+def data_key(config: DataConfig, seed: int, need_phase1: bool, need_phase2: bool) -> str | None:
+    """The entry of this data: its options, the seed, the phases read, and each source's stamp (None where a
+    source is a Hub dataset, which has none)."""
+    read = [config.eval_data] + [config.phase1_data] * need_phase1
+    if need_phase2 or config.eval_data == "auto":  # "auto": the held-out pairs, or the embedded evaluation set
+        read.append(config.phase2_data)
+    stamps = {}
+    for source in set(read):
+        stamp = source_stamp(source)
+        if stamp is None:
+            return None
+        stamps[source] = stamp
+    fields = {"format": PREPARED_FORMAT, "config": dataclasses.asdict(config), "seed": seed}
+    fields |= {"phases": [need_phase1, need_phase2], "sources": stamps}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def source_stamp(source: str) -> list | None:
+    """What tells a source's content apart without reading it: each file's path, size and modification time;
+    the embedded corpus's own module files; None for a Hub dataset."""
+    if source in ("auto", "none", EMBEDDED):  # the embedded corpus: the code that builds it from the gensim wheel
+        files = sorted(Path(__file__).parent.joinpath("embedded").glob("*.py")) if source == EMBEDDED else []
+    elif source == NANOBEIR or source.startswith(f"{NANOBEIR}:"):
+        return None
+    else:
+        path, _ = resolve_source(source)
+        if not path.exists():
+            return None
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    stats = [(str(p.resolve()), p.stat()) for p in files]
+    return [source, [(name, stat.st_size, stat.st_mtime_ns) for name, stat in stats]]
+
+
+def save(data: DistillData, said: list[str], entry: Path) -> None:
+    """The data's texts as Arrow files with their fingerprints and digests, the rest as JSON, into `entry` through
+    a staging folder renamed into place."""
+    staging = entry.parent / f".{entry.name}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    pairs = data.phase2
+    candidates = list(pairs.passages) + [text for negatives in pairs.negatives for text in negatives]
+    fingerprints = {
+        "phase1": write_column(staging / "phase1", data.phase1_texts),
+        "queries": write_column(staging / "queries", pairs.queries),
+        "passages": write_column(staging / "passages", candidates),
+        "positives": texts_fingerprint(pairs.passages),
+    }
+    fields = {
+        "format": PREPARED_FORMAT,
+        "pairs": len(pairs),
+        "width": len(pairs.negatives[0]) if pairs.negatives else 0,
+        "fingerprints": fingerprints,
+        "capped": data.capped,
+        "said": said,
+        "evaluation": None if data.evaluation is None else dataclasses.asdict(data.evaluation),
+    }
+    # written last: its presence marks the entry whole
+    (staging / "fields.json").write_text(json.dumps(fields, default=plain))
+    try:
+        os.replace(staging, entry)
+    except OSError:  # another machine sharing the folder put the same entry in place first
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def plain(value: Any) -> Any:
+    """An evaluation set's range as [start, stop] and set as a sorted list, for JSON."""
+    return [value.start, value.stop] if isinstance(value, range) else sorted(value)
+
+
+def write_column(path: Path, texts: Sequence[str]) -> str:
+    """`texts` as `path`.arrow and their digests as `path`.digests.npy; their fingerprint."""
+    schema = pa.schema([("text", pa.large_string())])  # 64-bit offsets: no 2 GiB limit on a batch's text
+    with pa.OSFile(str(path.with_suffix(".arrow")), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        for start in range(0, len(texts), WRITE_ROWS):
+            batch = pa.array(texts[start : start + WRITE_ROWS], pa.large_string())
+            writer.write_batch(pa.record_batch([batch], schema))
+    digests = text_digests(texts).view(np.uint8).reshape(len(texts), DIGEST_BYTES)
+    np.save(path.with_suffix(".digests.npy"), digests)
+    return texts_fingerprint(texts)
+
+
+def read_column(path: Path, fingerprint: str) -> TextColumn:
+    """The column `write_column` wrote at `path`, memory-mapped."""
+    # the map stays open while the table's buffers point into it, as datasets keeps its cache files
+    array = pa.ipc.open_file(pa.memory_map(str(path.with_suffix(".arrow")))).read_all().column("text")
+    digests = np.load(path.with_suffix(".digests.npy"), mmap_mode="r")
+    return TextColumn(array, fingerprint, digests.view(f"V{DIGEST_BYTES}").reshape(-1))
+
+
+def load(entry: Path, replay: bool) -> DistillData:
+    """The data `save` wrote into `entry`, its texts memory-mapped; with `replay`, what reading it said, said again."""
+    fields = read_json(entry / "fields.json")
+    if replay:
+        for line in fields["said"]:
+            warn(line)
+    prints = fields["fingerprints"]
+    count, width = fields["pairs"], fields["width"]
+    passages = read_column(entry / "passages", prints["passages"])
+    pairs = Pairs(
+        read_column(entry / "queries", prints["queries"]),
+        passages.view(0, count, prints["positives"]),
+        Negatives(passages.view(count, len(passages), ""), width) if width else [],
+        candidates=passages,
+    )
+    return DistillData(
+        read_column(entry / "phase1", prints["phase1"]),
+        pairs,
+        eval_set(fields["evaluation"]),
+        fields["capped"],
+    )
+
+
+def eval_set(fields: dict[str, Any] | None) -> EvalSet | None:
+    """An `EvalSet` from its JSON form (ranges as [start, stop], sets and tuples as lists)."""
+    if fields is None:
+        return None
+    groups = [
+        EvalGroup(g["name"], range(*g["queries"]), range(*g["corpus"]), [set(r) for r in g["relevant"]])
+        for g in fields.pop("groups")
+    ]
+    return EvalSet(**{**fields, "sts_pairs": [tuple(p) for p in fields["sts_pairs"]]}, groups=groups)

@@ -1,0 +1,150 @@
+"""The data kept on disk once per machine (distill/prepared.py): what every process reads back equals what
+`load_data` returns, a rerun reads no source, a changed source is read again, and the columns read as lists do."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from accelerate import PartialState
+
+import distill.prepared as prepared
+from distill.config import DataConfig
+from distill.prepared import Negatives, TextColumn, data_key, pick, prepared_data, read_column, write_column
+from distill.stages.data import load_data, passage_texts
+from distill.store import text_digests
+from distill.tokens import texts_fingerprint
+
+
+@pytest.fixture(autouse=True)
+def accelerate_state() -> Iterator[None]:
+    """distill logs through accelerate's logger, which needs an accelerate state (the pipeline makes one first)."""
+    fresh = not PartialState._shared_state
+    PartialState(cpu=True)
+    yield
+    if fresh:
+        PartialState._reset_state()
+
+
+def write_sources(root: Path) -> DataConfig:
+    """Phase-1 texts with a repeat and an empty line, and pairs with two negatives each, of which some are held
+    out for evaluation."""
+    root.mkdir(parents=True, exist_ok=True)
+    texts = [f"phase one text {i}  with   spaces" for i in range(300)]
+    texts[5:5] = ["phase one text 3 with spaces", ""]
+    (root / "texts.txt").write_text("\n".join(texts) + "\n")
+    rows = [
+        {"query": f"question {i}", "passage": f"answer {i}", "negatives": [f"wrong {i} a", f"wrong {i} b"]}
+        for i in range(200)
+    ]
+    (root / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return DataConfig(
+        phase1_data=str(root / "texts.txt"),
+        phase2_data=str(root / "pairs.jsonl"),
+        eval_data="auto",
+        max_eval_queries=20,
+        max_samples_phase1=250,
+    )
+
+
+def test_every_process_reads_back_what_load_data_returns(tmp_path: Path) -> None:
+    config = write_sources(tmp_path / "data")
+    expected = load_data(config, seed=3)
+    data = prepared_data(config, 3, True, True, tmp_path / "cache")
+    assert isinstance(data.phase1_texts, TextColumn) and isinstance(data.phase2.queries, TextColumn)
+    assert list(data.phase1_texts) == expected.phase1_texts
+    assert list(data.phase2.queries) == expected.phase2.queries
+    assert list(data.phase2.passages) == expected.phase2.passages
+    assert [data.phase2.negatives[i] for i in range(len(data.phase2))] == expected.phase2.negatives
+    assert list(passage_texts(data.phase2)[0]) == passage_texts(expected.phase2)[0]
+    np.testing.assert_array_equal(passage_texts(data.phase2)[1], passage_texts(expected.phase2)[1])
+    assert data.evaluation == expected.evaluation and data.capped == expected.capped == {"max_samples_phase1": 250}
+    # what the token and teacher caches key by comes computed, and equal to hashing the texts
+    for column, texts in (
+        (data.phase1_texts, expected.phase1_texts),
+        (data.phase2.passages, expected.phase2.passages),
+        (passage_texts(data.phase2)[0], passage_texts(expected.phase2)[0]),
+    ):
+        assert texts_fingerprint(column) == texts_fingerprint(list(texts))
+        np.testing.assert_array_equal(text_digests(column), text_digests(list(texts)))
+
+
+def test_a_rerun_reads_no_source_and_says_the_cap_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = write_sources(tmp_path / "data")
+    first = prepared_data(config, 3, True, True, tmp_path / "cache")
+
+    def no_reading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the data was read again")
+
+    monkeypatch.setattr(prepared, "load_data", no_reading)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        again = prepared_data(config, 3, True, True, tmp_path / "cache")
+    assert list(again.phase1_texts) == list(first.phase1_texts) and again.capped == first.capped
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said  # said once each, as the first run said them
+    assert "stopped reading at 250 texts (--max_samples_phase1)" in said[1]
+    assert "dropped 1 empty or non-string rows and 1 duplicates" in said[0]
+
+
+def test_a_changed_source_another_seed_or_cap_is_another_entry(tmp_path: Path) -> None:
+    config = write_sources(tmp_path / "data")
+    cache = tmp_path / "cache"
+    prepared_data(config, 3, True, True, cache)
+    assert len(list(cache.iterdir())) == 1
+    prepared_data(config, 4, True, True, cache)  # another seed: other held-out pairs
+    prepared_data(DataConfig(**{**vars(config), "max_samples_phase1": 100}), 3, True, True, cache)
+    assert len(list(cache.iterdir())) == 3
+    texts = Path(config.phase1_data)
+    texts.write_text(texts.read_text() + "one more text\n")
+    os.utime(texts, ns=(texts.stat().st_atime_ns, texts.stat().st_mtime_ns + 1_000_000))
+    data = prepared_data(DataConfig(**{**vars(config), "max_samples_phase1": None}), 3, True, True, cache)
+    assert data.phase1_texts[-1] == "one more text" and len(list(cache.iterdir())) == 4
+
+
+def test_hub_sources_are_read_in_each_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Hub dataset has no stamp to key by: no entry, `load_data` as it is."""
+    config = write_sources(tmp_path / "data")
+    assert data_key(DataConfig(**{**vars(config), "phase1_data": "someone/some-dataset"}), 3, True, True) is None
+    assert data_key(DataConfig(**{**vars(config), "eval_data": "nanobeir"}), 3, True, True) is None
+    assert data_key(DataConfig(**{**vars(config), "phase1_data": "someone/some-dataset"}), 3, False, True)
+    called = []
+    monkeypatch.setattr(prepared, "load_data", lambda *args: called.append(args) or "loaded")
+    hub = DataConfig(**{**vars(config), "phase2_data": "someone/pairs"})
+    assert prepared_data(hub, 3, True, True, tmp_path / "cache") == "loaded" and called
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_column_reads_as_a_list_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prepared, "WRITE_ROWS", 7)  # several chunks
+    monkeypatch.setattr(prepared, "READ_ROWS", 5)
+    texts = [f"text {i} é" for i in range(40)] + ["", "last"]
+    column = read_column(tmp_path / "texts", write_column(tmp_path / "texts", texts))
+    assert column.array.num_chunks == 6 and len(column) == len(texts)
+    assert list(column) == texts and column[3] == texts[3] and column[-1] == "last"
+    assert column[5:17] == texts[5:17] and column[30:] == texts[30:] and column[::9] == texts[::9]
+    assert column[40:3] == [] and bool(column)
+    with pytest.raises(IndexError):
+        column[len(texts)]
+    rows = np.array([41, 0, 13, 13, 6, 7, 35])
+    assert pick(column, rows) == [texts[i] for i in rows] == pick(texts, rows)
+    assert random.Random(0).sample(column, 5) == random.Random(0).sample(texts, 5)
+    view = column.view(10, 20, texts_fingerprint(texts[10:20]))
+    assert list(view) == texts[10:20] and texts_fingerprint(view) == texts_fingerprint(texts[10:20])
+    np.testing.assert_array_equal(text_digests(view), text_digests(texts[10:20]))
+    negatives = Negatives(column.view(0, 40, ""), 4)
+    assert len(negatives) == 10 and negatives[2] == texts[8:12] and negatives[-1] == texts[36:40]
+    assert negatives[1:3] == [texts[4:8], texts[8:12]]
+
+
+def test_an_empty_list_is_a_column_too(tmp_path: Path) -> None:
+    column = read_column(tmp_path / "none", write_column(tmp_path / "none", []))
+    assert len(column) == 0 and list(column) == [] and not column and text_digests(column).shape == (0,)
