@@ -10,7 +10,9 @@ student, `--max_seq_length 64 --batch_size 256`, phase 1 only. For each size it 
 - rerun on 2 processes (`accelerate_configs/cpu_2proc.yaml`).
 
 Each process stops at its first training step and records the seconds since the command started and its peak RSS
-(VmHWM) and PSS (shared pages counted once). The table sums them over the processes.
+(VmHWM) and PSS (shared pages counted once). The table sums them over the processes. Beside each size it times the
+student's tokenizer alone on the corpus's texts, on every core (`TOKENIZERS_PARALLELISM` unset), in a fresh process:
+the floor a cold run's tokenizing cannot beat. Below the table: each column's least-squares growth per million texts.
 """
 
 from __future__ import annotations
@@ -43,6 +45,18 @@ def first_step(*args, **kwargs):
 loop.train_step = first_step
 from distill.train import main
 sys.exit(main(sys.argv[1:]))
+"""
+TOKENIZER_ALONE = """
+import sys, time
+from transformers import AutoTokenizer
+from distill.hub import resolve_model
+
+texts = open(sys.argv[1], encoding="utf8").read().splitlines()
+tokenizer = AutoTokenizer.from_pretrained(resolve_model("sentence-transformers/all-MiniLM-L6-v2"))
+started = time.perf_counter()
+for start in range(0, len(texts), 65536):
+    tokenizer(texts[start : start + 65536], truncation=True, max_length=64)
+print(time.perf_counter() - started)
 """
 WORDS = (
     "river stone city north built old road water field king house light wind winter bridge market tower "
@@ -96,6 +110,25 @@ def run(workdir: Path, size: int, texts: Path, vectors: Path, processes: int, na
     }
 
 
+def tokenizer_seconds(texts: Path) -> float:
+    """The student's tokenizer alone on `texts`, on every core (a fresh process, the file read before the clock)."""
+    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
+    env["HF_HUB_OFFLINE"] = "1"
+    done = subprocess.run([sys.executable, "-c", TOKENIZER_ALONE, str(texts)], env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(done.stderr[-3000:])
+    return float(done.stdout.split()[-1])
+
+
+def growth(rows: list[tuple[int, str, dict]], name: str, figure: str) -> float:
+    """The least-squares slope of `figure` against the corpus size, per million texts, over the runs `name`."""
+    points = [(size / 1e6, figures[figure]) for size, run, figures in rows if run == name]
+    if len(points) < 2:
+        return float("nan")
+    sizes, values = np.array(points).T
+    return float(np.polyfit(sizes, values, 1)[0])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="125000,250000,500000,1000000")
@@ -109,10 +142,23 @@ def main() -> None:
             figures = run(args.workdir, size, texts, vectors, processes, name.replace(", ", "-").replace(" ", "-"))
             rows.append((size, name, figures))
             print(f"{size:,} {name}: {figures}", file=sys.stderr)
+        rows.append((size, "tokenizer alone", {"seconds": tokenizer_seconds(texts)}))
+        print(f"{size:,} tokenizer alone: {rows[-1][2]}", file=sys.stderr)
     print("| corpus | run | seconds to the first step | peak RSS before it | PSS at it |\n|---|---|---:|---:|---:|")
     for size, name, figures in rows:
+        if name == "tokenizer alone":
+            print(f"| {size:,} | the tokenizer alone, every core | {figures['seconds']:.0f} | | |")
+            continue
         rss, pss = figures["peak_rss"] / 2**30, figures["pss"] / 2**30
         print(f"| {size:,} | {name} | {figures['seconds']:.0f} | {rss:.2f} GiB | {pss:.2f} GiB |")
+    print("\n| run | seconds per million texts | peak RSS per million | PSS per million |\n|---|---:|---:|---:|")
+    for name in ("cold", "rerun", "rerun, 2 processes", "tokenizer alone"):
+        per = [growth(rows, name, "seconds")]
+        if name != "tokenizer alone":
+            per += [growth(rows, name, figure) / 2**30 for figure in ("peak_rss", "pss")]
+            print(f"| {name} | {per[0]:.0f} | {per[1]:.2f} GiB | {per[2]:.2f} GiB |")
+        else:
+            print(f"| {name} | {per[0]:.0f} | | |")
 
 
 if __name__ == "__main__":

@@ -321,29 +321,42 @@ def test_the_plan_says_what_does_not_fit_the_device_and_what_to_change(tiny_mode
 
 
 def test_the_hosts_share_scales_with_the_texts_planned() -> None:
-    """Memory and seconds measured on the data read, scaled to a planned count; tokenizing and copying only cold;
-    mining as an exhaustive search over the phase-2 passages."""
-    from distill.plan.host import COPY_BYTES_PER_SECOND, START_BYTES, START_SECONDS, DataReading, host_figures
+    """Memory and seconds measured on the data read, scaled to a planned count: each process holds the texts'
+    bytes (memory-mapped), the first one cold the tokens it writes or the data as read; tokenizing, hashing and
+    copying only cold; mining as an exhaustive search over the phase-2 passages."""
+    from distill.plan.host import (
+        COPY_BYTES_PER_SECOND,
+        HASH_SECONDS_PER_TEXT,
+        START_BYTES,
+        START_SECONDS,
+        TOKEN_BYTES,
+        DataReading,
+        host_figures,
+    )
 
     def texts(name: str, phase: str, count: int) -> plan_figures.TextList:
         return plan_figures.TextList(name, phase, count, 10, 100, 10, 100, 20, 20, tokenize_seconds=1e-4)
 
-    reading = DataReading(seconds=2.0, bytes_before=2**30, bytes_after=2**30 + 1000 * 300, texts=1000)
+    reading = DataReading(2.0, bytes_before=2**30, bytes_after=2**30 + 1000 * 300, texts=1000, text_bytes=50_000)
     read = [
         texts("phase1 texts", "phase1", 600),
         texts("phase2 queries", "phase2", 200),
         texts("phase2 passages", "phase2", 200),
     ]
     same = host_figures(read, reading, vectors_file_bytes=0, mining=(0, 8), teacher_rate=1e9)
-    assert same.data_bytes == 300_000 and same.bytes_per_process == 2**30 + START_BYTES + 300_000
+    assert same.data_bytes == 50_000 and same.bytes_per_process == int(2**30 + START_BYTES) + 50_000
+    assert same.cold_bytes == same.bytes_per_process + TOKEN_BYTES * 1000 * 10
     assert same.tokenize_seconds == pytest.approx(0.1) and same.copy_seconds == 0 and same.mining_flops == 0
-    assert same.cold_seconds - same.rerun_seconds == pytest.approx(0.1)
-    assert same.rerun_seconds == pytest.approx(START_SECONDS + 2.0 + 1000 * 1e-6)
+    assert same.rerun_seconds == START_SECONDS
+    assert same.cold_seconds == pytest.approx(START_SECONDS + 2.0 + 1000 * HASH_SECONDS_PER_TEXT + 0.1)
     tenfold = [replace(t, count=10 * t.count) for t in read]
     big = host_figures(tenfold, reading, vectors_file_bytes=10**6, mining=(2, 8), teacher_rate=1e9)
-    assert big.data_bytes == 3_000_000 and big.read_seconds == pytest.approx(20.0)
+    assert big.data_bytes == 500_000 and big.read_seconds == pytest.approx(20.0)
     assert big.copy_seconds == pytest.approx(10 * 10**6 / COPY_BYTES_PER_SECOND)
     assert big.mining_flops == 2.0 * 2000 * 2000 * 8 and big.mining_seconds == pytest.approx(big.mining_flops / 1e9)
+    # the data as read, held by the first process while it reads, is the cold peak where it is the larger
+    heavy = DataReading(2.0, bytes_before=2**30, bytes_after=2**31, texts=1000, text_bytes=50_000)
+    assert host_figures(read, heavy, 0, (0, 8), 1e9).cold_bytes == 2**31
 
 
 def test_the_plan_says_the_hosts_share(tiny_models, tiny_data, tmp_path):

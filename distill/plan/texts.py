@@ -84,7 +84,9 @@ def text_lists(
         lists["evaluation corpus"] = ("evaluation", "document", data.evaluation.corpus)
         if data.evaluation.sts_texts:
             lists["evaluation sts"] = ("evaluation", "document", data.evaluation.sts_texts)
-    return lists, DataReading(seconds, before, after, sum(len(texts) for _, _, texts in lists.values()))
+    count = sum(len(texts) for _, _, texts in lists.values())
+    text_bytes = sum(len(text.encode("utf8")) for _, _, texts in lists.values() for text in texts)
+    return lists, DataReading(seconds, before, after, count, text_bytes)
 
 
 @dataclass(frozen=True)
