@@ -13,6 +13,8 @@ Each process stops at its first training step and records the seconds since the 
 (VmHWM) and PSS (shared pages counted once). The table sums them over the processes. Beside each size it times the
 student's tokenizer alone on the corpus's texts, on every core (`TOKENIZERS_PARALLELISM` unset), in a fresh process:
 the floor a cold run's tokenizing cannot beat. Below the table: each column's least-squares growth per million texts.
+With `--steps N`, a rerun also trains N steps at each size and records its RSS then: what an epoch's reading of
+the teacher's vectors and the tokens leaves in the process.
 """
 
 from __future__ import annotations
@@ -33,16 +35,23 @@ DRIVER = """
 import json, os, sys, time
 import distill.loop as loop
 
-def first_step(*args, **kwargs):
+trained = loop.train_step
+steps = [0]
+
+def step(*args, **kwargs):
+    steps[0] += 1
+    if steps[0] < int(os.environ["BENCH_STEPS"]):
+        return trained(*args, **kwargs)
     status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
     pss = sum(int(line.split()[1]) for line in open("/proc/self/smaps_rollup") if line.startswith("Pss:"))
     figures = {"seconds": time.time() - float(os.environ["BENCH_STARTED"]),
-               "peak_rss": int(status["VmHWM"].split()[0]) * 1024, "pss": pss * 1024}
+               "peak_rss": int(status["VmHWM"].split()[0]) * 1024, "pss": pss * 1024,
+               "rss": int(status["VmRSS"].split()[0]) * 1024}
     Path = __import__("pathlib").Path
     Path(os.environ["BENCH_OUT"] + "." + os.environ.get("RANK", "0")).write_text(json.dumps(figures))
-    os._exit(0)  # the first step is what is measured: no need to train
+    os._exit(0)  # what is measured is done: no need to train on
 
-loop.train_step = first_step
+loop.train_step = step
 from distill.train import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -80,7 +89,7 @@ def corpus(folder: Path, size: int) -> tuple[Path, Path]:
     return texts_file, vectors_file
 
 
-def run(workdir: Path, size: int, texts: Path, vectors: Path, processes: int, name: str) -> dict:
+def run(workdir: Path, size: int, texts: Path, vectors: Path, processes: int, name: str, steps: int = 1) -> dict:
     """One run to its first step; the figures of its processes, summed (seconds: the slowest)."""
     out = workdir / f"{size}-{name}"
     shutil.rmtree(out, ignore_errors=True)
@@ -99,15 +108,12 @@ def run(workdir: Path, size: int, texts: Path, vectors: Path, processes: int, na
             str(REPO / "accelerate_configs/cpu_2proc.yaml"),
         ]
     env = dict(os.environ, BENCH_STARTED=str(time.time()), BENCH_OUT=str(out / "first-step"), HF_HUB_OFFLINE="1")
+    env["BENCH_STEPS"] = str(steps)
     done = subprocess.run([*launcher, str(out / "driver.py"), *flags], env=env, capture_output=True, text=True)
     found = [json.loads(p.read_text()) for p in sorted(out.glob("first-step.*"))]
     if len(found) != processes:
         raise SystemExit(f"{size} {name}: {len(found)} of {processes} processes reached a step\n{done.stderr[-3000:]}")
-    return {
-        "seconds": max(f["seconds"] for f in found),
-        "peak_rss": sum(f["peak_rss"] for f in found),
-        "pss": sum(f["pss"] for f in found),
-    }
+    return {figure: (max if figure == "seconds" else sum)(f[figure] for f in found) for figure in found[0]}
 
 
 def tokenizer_seconds(texts: Path) -> float:
@@ -133,8 +139,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="125000,250000,500000,1000000")
     parser.add_argument("--workdir", type=Path, default=Path("runs/bench-scale"))
+    parser.add_argument("--steps", type=int, default=0, help="Also train a rerun this many steps and measure then.")
     args = parser.parse_args()
-    rows = []
+    rows, trained = [], []
     for size in (int(s) for s in args.sizes.split(",")):
         texts, vectors = corpus(args.workdir / "data", size)
         shutil.rmtree(args.workdir / f"cache-{size}", ignore_errors=True)
@@ -144,6 +151,19 @@ def main() -> None:
             print(f"{size:,} {name}: {figures}", file=sys.stderr)
         rows.append((size, "tokenizer alone", {"seconds": tokenizer_seconds(texts)}))
         print(f"{size:,} tokenizer alone: {rows[-1][2]}", file=sys.stderr)
+        if args.steps > 1:
+            trained.append((size, run(args.workdir, size, texts, vectors, 1, "steps", steps=args.steps)))
+            print(f"{size:,} {args.steps} steps: {trained[-1][1]}", file=sys.stderr)
+    print_tables(rows)
+    if trained:
+        print(f"\n| corpus | seconds to step {args.steps} | RSS at it | peak RSS to it |\n|---|---:|---:|---:|")
+        for size, figures in trained:
+            rss, peak = figures["rss"] / 2**30, figures["peak_rss"] / 2**30
+            print(f"| {size:,} | {figures['seconds']:.0f} | {rss:.2f} GiB | {peak:.2f} GiB |")
+
+
+def print_tables(rows: list[tuple[int, str, dict]]) -> None:
+    """The table of runs, and each column's growth per million texts."""
     print("| corpus | run | seconds to the first step | peak RSS before it | PSS at it |\n|---|---|---:|---:|---:|")
     for size, name, figures in rows:
         if name == "tokenizer alone":

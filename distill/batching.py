@@ -17,6 +17,8 @@ import torch
 from accelerate.logging import get_logger
 from torch.utils.data import DataLoader, Dataset
 
+from distill.files import drop_pages
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -333,10 +335,12 @@ class Phase1Batches:
         self.texts, self.teacher = texts, teacher
 
     def __call__(self, indices: list[int]) -> dict[str, object]:
-        return {
+        batch = {
             "texts": self.texts.features(indices),
             "teacher": torch.from_numpy(np.asarray(self.teacher[indices], dtype=np.float32)),  # (batch, t_dim)
         }
+        let_go(self.teacher, self.texts)
+        return batch
 
 
 class Phase2Batches:
@@ -373,7 +377,15 @@ class Phase2Batches:
         }
         if self.scores is not None:
             batch["reranker_scores"] = torch.from_numpy(np.asarray(self.scores[indices], dtype=np.float32))
+        let_go(self.teacher_queries, self.teacher_passages, self.queries, self.passages)
         return batch
+
+
+def let_go(*sources: object) -> None:
+    """The pages of the memory-mapped teacher vectors and tokens a batch read, out of this process: an epoch reads
+    every row once, and a process (or loader worker) would otherwise count the whole cache entry as its own."""
+    for source in sources:
+        drop_pages(getattr(source, "ids", source))
 
 
 def make_loader(

@@ -18,12 +18,14 @@ pyarrow's IPC files are what `datasets` keeps its cache in; they are written her
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import shutil
 from collections.abc import Iterator, Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any, overload
 
@@ -32,6 +34,7 @@ import pyarrow as pa
 
 from distill.config.schema import DataConfig
 from distill.distributed import machine_first
+from distill.errors import DistillError
 from distill.files import read_json
 from distill.records import EMBEDDED, resolve_source
 from distill.stages.data import NANOBEIR, DistillData, EvalGroup, EvalSet, Pairs, collected, load_data, warn
@@ -130,13 +133,30 @@ def prepared_data(
         return load_data(config, seed, need_phase1, need_phase2)
     entry = folder / key
     with machine_first():  # the machine's first process reads the data; the others map what it wrote
-        if not (entry / "fields.json").is_file():
-            with collected() as said:
-                data = load_data(config, seed, need_phase1, need_phase2)
-            save(data, said, entry)
-            del data
-            return load(entry, replay=False)
-    return load(entry, replay=True)
+        kept = (entry / "fields.json").is_file()
+        read = None if kept else read_and_keep(config, seed, need_phase1, need_phase2, entry)
+    if isinstance(read, DistillError):
+        raise read  # after the block: the machine's other processes meet it reading the same data, none waits alone
+    return load(entry, replay=True) if read is None else read
+
+
+def read_and_keep(
+    config: DataConfig, seed: int, need_phase1: bool, need_phase2: bool, entry: Path
+) -> DistillData | DistillError:
+    """The data read and written into `entry`, then read back from there; the data as read where the disk refuses
+    it; the error, where the data is bad."""
+    try:
+        with collected() as said:
+            data = load_data(config, seed, need_phase1, need_phase2)
+    except DistillError as error:
+        return error
+    try:
+        save(data, said, entry)
+    except OSError as error:  # a read-only or full disk: this run reads the data in each process
+        warn(f"cannot keep the data under {entry.parent} ({error.strerror or error}); each process reads it itself")
+        return data
+    del data
+    return load(entry, replay=False)
 
 
 def data_key(config: DataConfig, seed: int, need_phase1: bool, need_phase2: bool) -> str | None:
@@ -159,8 +179,11 @@ def data_key(config: DataConfig, seed: int, need_phase1: bool, need_phase2: bool
 def source_stamp(source: str) -> list | None:
     """What tells a source's content apart without reading it: each file's path, size and modification time;
     the embedded corpus's own module files; None for a Hub dataset."""
-    if source in ("auto", "none", EMBEDDED):  # the embedded corpus: the code that builds it from the gensim wheel
+    if source in ("auto", "none", EMBEDDED):  # the embedded corpus: the code that builds it, and the gensim wheel
         files = sorted(Path(__file__).parent.joinpath("embedded").glob("*.py")) if source == EMBEDDED else []
+        if source == EMBEDDED:
+            with contextlib.suppress(metadata.PackageNotFoundError):  # without it, reading says what to install
+                source = f"{source} {metadata.version('gensim')}"
     elif source == NANOBEIR or source.startswith(f"{NANOBEIR}:"):
         return None
     else:
@@ -177,7 +200,18 @@ def save(data: DistillData, said: list[str], entry: Path) -> None:
     a staging folder renamed into place."""
     staging = entry.parent / f".{entry.name}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    try:
+        staging.mkdir(parents=True)
+        write_entry(data, said, staging)
+        os.replace(staging, entry)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (entry / "fields.json").is_file():  # else another machine sharing the folder put it in place first
+            raise
+
+
+def write_entry(data: DistillData, said: list[str], staging: Path) -> None:
+    """The files of an entry, into `staging`."""
     pairs = data.phase2
     candidates = list(pairs.passages) + [text for negatives in pairs.negatives for text in negatives]
     fingerprints = {
@@ -197,10 +231,6 @@ def save(data: DistillData, said: list[str], entry: Path) -> None:
     }
     # written last: its presence marks the entry whole
     (staging / "fields.json").write_text(json.dumps(fields, default=plain))
-    try:
-        os.replace(staging, entry)
-    except OSError:  # another machine sharing the folder put the same entry in place first
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def plain(value: Any) -> Any:

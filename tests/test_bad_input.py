@@ -152,10 +152,11 @@ def test_unknown_offline_teacher_prints_only_its_error(tiny_models, tiny_data, t
 
 
 @pytest.mark.multiprocess
-def test_bad_input_on_two_processes_prints_one_error_line(tiny_models, tiny_data, tmp_path):
+@pytest.mark.parametrize("case", ["output folder that is not writable", "only empty or non-string texts"])
+def test_bad_input_on_two_processes_prints_one_error_line(case, tiny_models, tiny_data, tmp_path):
     """Under a launch the user typed, every rank meets the bad input: all stop (none hangs in a collective) and one
-    prints the error."""
-    make_overrides, pattern = CASES["output folder that is not writable"]
+    prints the error. Bad data is met by the machine's first process reading it for all, then by the others."""
+    make_overrides, pattern = CASES[case]
     out = tmp_path / "out"
     flags = tiny_run_flags(tiny_models, tiny_data, out, **make_overrides(tiny_models, tiny_data, tmp_path))
     launcher = ["-m", "accelerate.commands.launch", "--num_machines", "1", "--num_processes", "2", "--multi_gpu"]

@@ -148,3 +148,16 @@ def test_a_column_reads_as_a_list_does(tmp_path: Path, monkeypatch: pytest.Monke
 def test_an_empty_list_is_a_column_too(tmp_path: Path) -> None:
     column = read_column(tmp_path / "none", write_column(tmp_path / "none", []))
     assert len(column) == 0 and list(column) == [] and not column and text_digests(column).shape == (0,)
+
+
+def test_a_folder_that_refuses_the_data_leaves_each_process_reading_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = write_sources(tmp_path / "data")
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    with caplog.at_level(logging.WARNING):
+        data = prepared_data(config, 3, True, True, blocked / "data")
+    assert data.phase1_texts == load_data(config, seed=3).phase1_texts  # the lists as read
+    assert any("cannot keep the data under" in r.getMessage() for r in caplog.records)
+    assert blocked.read_text() == "not a folder"
