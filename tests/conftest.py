@@ -321,6 +321,15 @@ def steady_cpu_probe(monkeypatch):
 
 
 @pytest.fixture
+def partial_state():
+    """A one-process CPU accelerate state: distill logs through accelerate's logger, which needs one (the pipeline
+    makes it first). Reset after the test by `fresh_accelerate_state`."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=True)
+
+
+@pytest.fixture
 def accelerator():
     """A one-process CPU Accelerator (reset after the test by `fresh_accelerate_state`)."""
     from accelerate import Accelerator

@@ -7,11 +7,9 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from accelerate import PartialState
 
 import distill.stages.data as data_module
 from distill.config import DataConfig
@@ -31,14 +29,7 @@ from distill.stages.data import (
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def accelerate_state() -> Iterator[None]:
-    """distill logs through accelerate's logger, which needs an accelerate state (the pipeline makes one first)."""
-    fresh = not PartialState._shared_state
-    PartialState(cpu=True)
-    yield
-    if fresh:
-        PartialState._reset_state()
+pytestmark = pytest.mark.usefixtures("partial_state")
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

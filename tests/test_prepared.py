@@ -7,12 +7,10 @@ import json
 import logging
 import os
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from accelerate import PartialState
 
 import distill.prepared as prepared
 from distill.config import DataConfig
@@ -21,15 +19,7 @@ from distill.stages.data import load_data, passage_texts
 from distill.store import text_digests
 from distill.tokens import texts_fingerprint
 
-
-@pytest.fixture(autouse=True)
-def accelerate_state() -> Iterator[None]:
-    """distill logs through accelerate's logger, which needs an accelerate state (the pipeline makes one first)."""
-    fresh = not PartialState._shared_state
-    PartialState(cpu=True)
-    yield
-    if fresh:
-        PartialState._reset_state()
+pytestmark = pytest.mark.usefixtures("partial_state")
 
 
 def write_sources(root: Path) -> DataConfig:
