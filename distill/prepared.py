@@ -179,11 +179,12 @@ def data_key(config: DataConfig, seed: int, need_phase1: bool, need_phase2: bool
 def source_stamp(source: str) -> list | None:
     """What tells a source's content apart without reading it: each file's path, size and modification time;
     the embedded corpus's own module files; None for a Hub dataset."""
-    if source in ("auto", "none", EMBEDDED):  # the embedded corpus: the code that builds it, and the gensim wheel
-        files = sorted(Path(__file__).parent.joinpath("embedded").glob("*.py")) if source == EMBEDDED else []
-        if source == EMBEDDED:
-            with contextlib.suppress(metadata.PackageNotFoundError):  # without it, reading says what to install
-                source = f"{source} {metadata.version('gensim')}"
+    if source in ("auto", "none"):
+        files = []
+    elif source == EMBEDDED:  # the code that builds the embedded corpus, and the gensim wheel it reads
+        files = sorted(Path(__file__).parent.joinpath("embedded").glob("*.py"))
+        with contextlib.suppress(metadata.PackageNotFoundError):  # without it, reading says what to install
+            source = f"{source} {metadata.version('gensim')}"
     elif source == NANOBEIR or source.startswith(f"{NANOBEIR}:"):
         return None
     else:

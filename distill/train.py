@@ -123,9 +123,11 @@ def report(error: DistillError) -> int:
 def leave(code: int) -> None:
     """Exit with `code`. A process of a multi-process job leaves without the interpreter's teardown: there, on a
     loaded CPU machine, a gloo job's process can abort after its last line ("terminate called without an active
-    exception", seen under the test suite's load), turning a finished run's exit code into -6. By
-    now every file is written and the process group is ended (`pipeline.finish`)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    exception", seen under the test suite's load), turning a finished run's exit code into -6. By now every file
+    is written and the process group is ended (`pipeline.finish`)."""
+    from distill.distributed import world_size
+
+    if world_size() > 1:
         import logging
 
         logging.shutdown()
