@@ -1,7 +1,9 @@
 """The teacher cache's upkeep: what is in it, and what no run can use again removed (distill/store.py writes it).
 
-It reads the layout distill/store.py writes (entries, staging folders, locks). A run that reads an entry
-refreshes its manifest's modification time, which is what `prune --unused_days` goes by. How the key is made and
+It reads the layout distill/store.py writes (entries, staging folders, locks), and the entries under `data/` and
+`tokens/` that distill/prepared.py and distill/tokens.py keep beside it (a corpus's cleaned texts and its token
+ids, made again by the next run that needs them). A run that reads an entry refreshes its manifest's (or
+fields.json's) modification time, which is what `prune --unused_days` goes by. How the key is made and
 the vectors computed is the teacher stage's business (distill/stages/targets.py).
 
     python -m distill.cache list  [--teacher_cache_dir DIR | --config FILE]
@@ -25,6 +27,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -53,14 +56,33 @@ class CacheItem:
         return lock_file(self.path.parent, self.key, self.host)
 
 
+AREAS = ("data", "tokens")  # sub-folders of kept data (distill/prepared.py) and token ids (distill/tokens.py)
+
+
 def scan(cache_dir: Path) -> list[CacheItem]:
-    """Every entry, staging folder and lock file directly under `cache_dir`; other files are not ours."""
+    """Every entry, staging folder and lock file directly under `cache_dir` and its data and token folders;
+    other files are not ours."""
+    items = scan_folder(cache_dir)
+    for area in AREAS:
+        if (cache_dir / area).is_dir():
+            items += scan_folder(cache_dir / area, area)
+    return items
+
+
+def scan_folder(folder: Path, area: str = "") -> list[CacheItem]:
+    """The items of one folder: teacher entries (no `area`), or the entries of a data or tokens folder, each
+    whole once its fields.json is there."""
     items = []
-    for path in sorted(cache_dir.iterdir()):
+    for path in sorted(folder.iterdir()):
         staged = STAGED.fullmatch(path.name)
         if KEY.fullmatch(path.name) and path.is_dir():
-            manifest = read_json_or_empty(path / "manifest.json")
-            valid = read_entry(path, path.name, manifest.get("count", -1)) is not None
+            manifest: dict[str, Any]
+            if area:
+                manifest = {"role": area}
+                valid = (path / "fields.json").is_file()
+            else:
+                manifest = read_json_or_empty(path / "manifest.json")
+                valid = read_entry(path, path.name, manifest.get("count", -1)) is not None
             kind = "entry" if valid else "corrupt"
             if manifest.get("format", CACHE_FORMAT) != CACHE_FORMAT:  # written by another distill version
                 kind = "other format"
@@ -228,8 +250,12 @@ def list_cache(cache_dir: Path, now: float | None = None) -> str:
     header = ["KEY", "STATE", "TEACHER", "ROLE", "TEXTS", "DIM", "SIZE", "LAST USED"]
     rows = [describe(item, now) for item in items]
     entries = [i for i in items if i.kind == "entry"]
+    sizes = dict.fromkeys(("teacher", *AREAS), 0)
+    for entry in entries:
+        sizes[entry.info["role"] if entry.info.get("role") in AREAS else "teacher"] += entry.bytes
+    parts = ", ".join(f"{human_bytes(size)} {name}" for name, size in sizes.items() if size)
     summary = (
-        f"{cache_dir}: {len(entries)} entries ({human_bytes(sum(i.bytes for i in entries))}), "
+        f"{cache_dir}: {len(entries)} entries ({parts or '0 B'}), "
         f"{len(items) - len(entries)} other items ({human_bytes(sum(i.bytes for i in items if i.kind != 'entry'))})"
     )
     return (table(rows, header) + "\n" if rows else "") + summary

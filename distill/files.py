@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
-from collections.abc import Callable
+import shutil
+import socket
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,34 @@ def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
     except BaseException:
         staging.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def staged_folder(folder: Path) -> Iterator[Path]:
+    """A hidden staging folder beside `folder` for the block to fill, renamed to `folder` when the block ends: a
+    stopped write is never read. Where another process (of this machine, or of one sharing the disk) put `folder`
+    in place first, its copy stays: entries made this way hold the same content under the same name. The staging
+    folder goes whatever happens; its name, `.<name>.tmp-<host>-<pid>`, tells `python -m distill.cache` whose it
+    is."""
+    staging = folder.parent / f".{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        staging.mkdir(parents=True)
+        yield staging
+        try:
+            os.replace(staging, folder)
+        except OSError:
+            if not folder.is_dir():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def mark_used(path: Path) -> None:
+    """Record that a cache entry was read now, as the modification time of its file `path`, which is what
+    `python -m distill.cache prune --unused_days` goes by; a read-only cache is left as it is."""
+    with contextlib.suppress(OSError):
+        os.utime(path)
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:

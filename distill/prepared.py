@@ -22,8 +22,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import os
-import shutil
 from collections.abc import Iterator, Sequence
 from importlib import metadata
 from pathlib import Path
@@ -35,7 +33,7 @@ import pyarrow as pa
 from distill.config.schema import DataConfig
 from distill.distributed import machine_first
 from distill.errors import DistillError
-from distill.files import read_json
+from distill.files import mark_used, read_json, staged_folder
 from distill.records import EMBEDDED, resolve_source
 from distill.stages.data import NANOBEIR, DistillData, EvalGroup, EvalSet, Pairs, collected, load_data, warn
 from distill.store import DIGEST_BYTES, text_digests
@@ -199,16 +197,8 @@ def source_stamp(source: str) -> list | None:
 def save(data: DistillData, said: list[str], entry: Path) -> None:
     """The data's texts as Arrow files with their fingerprints and digests, the rest as JSON, into `entry` through
     a staging folder renamed into place."""
-    staging = entry.parent / f".{entry.name}.tmp-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        staging.mkdir(parents=True)
+    with staged_folder(entry) as staging:
         write_entry(data, said, staging)
-        os.replace(staging, entry)
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (entry / "fields.json").is_file():  # else another machine sharing the folder put it in place first
-            raise
 
 
 def write_entry(data: DistillData, said: list[str], staging: Path) -> None:
@@ -261,6 +251,7 @@ def read_column(path: Path, fingerprint: str) -> TextColumn:
 
 def load(entry: Path, replay: bool) -> DistillData:
     """The data `save` wrote into `entry`, its texts memory-mapped; with `replay`, what reading it said, said again."""
+    mark_used(entry / "fields.json")
     fields = read_json(entry / "fields.json")
     if replay:
         for line in fields["said"]:

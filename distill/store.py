@@ -31,7 +31,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from distill.files import drop_pages, read_json
+from distill.files import drop_pages, mark_used, read_json
 
 Role = Literal["query", "document", "pair"]  # "pair": a reranker's (query, passage) pairs
 
@@ -269,6 +269,5 @@ def read_index(entry: Path, count: int) -> np.ndarray | None:
 
 
 def touch(entry: Path) -> None:
-    """Record that `entry` was used now (its manifest's modification time); a read-only cache is left as it is."""
-    with contextlib.suppress(OSError):
-        os.utime(entry / "manifest.json")
+    """Record that `entry` was used now (its manifest's modification time)."""
+    mark_used(entry / "manifest.json")

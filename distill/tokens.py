@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -25,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from distill.distributed import machine_first
-from distill.files import read_json
+from distill.files import mark_used, read_json, staged_folder
 
 TOKENS_FORMAT = 1
 
@@ -79,26 +77,21 @@ def cached_tokens(
 
 def save(tokenized: Any, entry: Path) -> None:
     """A tokenized list's arrays and fields into `entry`, through a staging folder renamed into place."""
-    staging = entry.parent / f".{entry.name}.tmp-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    fields = {}
-    for name, value in vars(tokenized).items():
-        if isinstance(value, np.ndarray):
-            np.save(staging / f"{name}.npy", value)
-        else:
-            fields[name] = value
-    # written last: its presence marks the entry whole
-    (staging / "fields.json").write_text(json.dumps(fields, default=lambda value: value.item()))
-    try:
-        os.replace(staging, entry)
-    except OSError:  # another machine sharing the folder put the same entry in place first
-        shutil.rmtree(staging, ignore_errors=True)
+    with staged_folder(entry) as staging:
+        fields = {}
+        for name, value in vars(tokenized).items():
+            if isinstance(value, np.ndarray):
+                np.save(staging / f"{name}.npy", value)
+            else:
+                fields[name] = value
+        # written last: its presence marks the entry whole
+        (staging / "fields.json").write_text(json.dumps(fields, default=lambda value: value.item()))
 
 
 def load(cls: Any, entry: Path) -> Any:
     """The tokenized list in `entry` as a `cls`, its arrays memory-mapped read-only."""
     tokenized = cls.__new__(cls)
+    mark_used(entry / "fields.json")
     for name, value in read_json(entry / "fields.json").items():
         setattr(tokenized, name, value)
     for array in entry.glob("*.npy"):

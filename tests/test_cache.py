@@ -11,12 +11,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from distill import cache
+from distill import cache, tokens
 from distill.cache import human_bytes, list_cache, main, prune
+from distill.config import DataConfig
+from distill.prepared import prepared_data
 from distill.store import claim, read_entry
 
 HOST = socket.gethostname()
@@ -266,3 +269,33 @@ def test_entries_of_another_cache_format_go_only_by_age(tmp_path: Path) -> None:
     assert f"{key(1)}  format 2 (another distill version)  org/teacher-7b" in list_cache(tmp_path)
     assert prune(tmp_path, unused_days=7)[0].endswith("unused for 10.0 days")
     assert not entry.exists()
+
+
+@pytest.mark.usefixtures("partial_state")
+def test_kept_data_and_token_ids_are_listed_and_pruned_by_last_use(tmp_path: Path) -> None:
+    """The entries distill/prepared.py and distill/tokens.py keep under data/ and tokens/, made by their own
+    writers: listed with their sizes, and removed by --unused_days unless a run read them since."""
+    (tmp_path / "texts.txt").write_text("".join(f"text {i}\n" for i in range(50)))
+    config = DataConfig(phase1_data=str(tmp_path / "texts.txt"), phase2_data="none", eval_data="none")
+    cache_dir = tmp_path / "cache"
+    prepared_data(config, 1, True, False, cache_dir / "data")
+    (data_entry,) = (cache_dir / "data").iterdir()
+    tokens_entry = cache_dir / "tokens" / key(1)
+    tokens.save(SimpleNamespace(ids=np.arange(10), max_length=8), tokens_entry)
+    stopped = cache_dir / "tokens" / f".{key(2)}.tmp-{HOST}-{dead_pid()}"  # a tokenizing process that died
+    stopped.mkdir()
+    (stopped / "ids.npy").write_bytes(b"\0" * 100)
+
+    rows = [row.split() for row in list_cache(cache_dir).splitlines()]
+    assert [data_entry.name, "entry", "data"] in [row[:3] for row in rows]
+    assert [key(1), "entry", "tokens"] in [row[:3] for row in rows]
+    summary = " ".join(rows[-1])
+    assert "2 entries (" in summary and " data, " in summary and " tokens), 1 other items" in summary
+
+    age(data_entry, 40)
+    age(tokens_entry, 40)
+    assert tokens.load(SimpleNamespace, tokens_entry).max_length == 8  # a run reads the token ids: used today
+    lines = prune(cache_dir, unused_days=30)
+    assert not data_entry.exists() and not stopped.exists() and tokens_entry.exists()
+    assert any(line.startswith(f"removed {data_entry} (") and "unused for 40.0 days" in line for line in lines)
+    assert prepared_data(config, 1, True, False, cache_dir / "data").phase1_texts[3] == "text 3"  # made again

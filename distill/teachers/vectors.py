@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -32,7 +30,7 @@ import torch
 
 from distill.distributed import writes_for_this_machine
 from distill.errors import DistillError
-from distill.files import drop_pages
+from distill.files import drop_pages, staged_folder
 from distill.prepared import pick
 from distill.records import pick_column
 from distill.store import Role, text_digests
@@ -266,17 +264,8 @@ def streamed_copy(path: Path, workdir: Path | None = None) -> Path:
     folder = root / f"{path.stem}-{key[:16]}"
     if folder.is_dir():
         return folder
-    staging = root / f".{folder.name}.tmp-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
+    with staged_folder(folder) as staging:
         (_stream_parquet if path.suffix == ".parquet" else _stream_jsonl)(path, staging)
-        os.replace(staging, folder)
-    except OSError:  # another process of this machine renamed its copy first: theirs is the same
-        if not folder.is_dir():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return folder
 
 
