@@ -171,20 +171,25 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(accelerator: Accelerator, path: Path) -> dict[str, torch.Tensor]:
+def load_checkpoint(accelerator: Accelerator, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Collective: restore the prepared model, optimizer, scheduler and scaler, and this process's RNG.
 
-    Returns the checkpoint's `extra` tensors (on the CPU; empty if it has none).
+    Returns the checkpoint's `extra` tensors and this process's generator states (on the CPU; empty if none).
     """
     accelerator.load_state(str(path))
     rng_file = path / f"rng_state_{accelerator.process_index}.safetensors"
-    if rng_file.is_file():
-        rng = load_file(str(rng_file))
-        torch.set_rng_state(rng["cpu"])
-        if torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([rng[k] for k in sorted(rng) if k.startswith("cuda")])
+    rng = load_file(str(rng_file)) if rng_file.is_file() else {}
+    set_rng(rng)
     extra_file = path / EXTRA_FILE
-    return load_file(str(extra_file)) if extra_file.is_file() else {}
+    return (load_file(str(extra_file)) if extra_file.is_file() else {}), rng
+
+
+def set_rng(rng: dict[str, torch.Tensor]) -> None:
+    """Put torch's generators (the CPU's, each CUDA device's) back to the states `save_checkpoint` kept."""
+    if "cpu" in rng:
+        torch.set_rng_state(rng["cpu"])
+    if torch.cuda.is_available() and any(k.startswith("cuda") for k in rng):
+        torch.cuda.set_rng_state_all([rng[k] for k in sorted(rng) if k.startswith("cuda")])
 
 
 # What a checkpoint shares with the run that resumes it: what it trains on and how. A resumed run may change how

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from distill.allocator import release_freed_memory
-from distill.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+from distill.checkpoint import TrainingState, load_checkpoint, save_checkpoint, set_rng
 from distill.config.schema import PerformanceConfig, TrainingConfig
 from distill.distributed import any_process, progress_bar
 from distill.errors import TrainingStopped, memory_message
@@ -299,8 +299,11 @@ def loss_scale(accelerator: Accelerator, prepared: Prepared, batches_done: int) 
     return None
 
 
-def epoch_batches(accelerator: Accelerator, prepared: Prepared, sampler: object, state: TrainingState) -> DataLoader:
-    """The epoch's batches, after those a resumed run has done already."""
+def epoch_batches(
+    accelerator: Accelerator, prepared: Prepared, sampler: object, state: TrainingState, rng: dict[str, torch.Tensor]
+) -> Iterable[dict]:
+    """The epoch's batches, after those a resumed run has done already; `rng`: the generator states of the
+    checkpoint this epoch resumes from mid-way (see `continued`)."""
     batches = prepared.loader
     if state.batches_done:
         batches = accelerator.skip_first_batches(prepared.loader, state.batches_done)
@@ -308,7 +311,23 @@ def epoch_batches(accelerator: Accelerator, prepared: Prepared, sampler: object,
     # by skip_first_batches starts that counter at 0, so set it explicitly to keep the data order.
     batches.set_epoch(state.epoch)
     sampler.set_epoch(state.epoch)  # type: ignore[attr-defined]
-    return batches
+    return continued(batches, rng) if state.batches_done and rng else batches
+
+
+def continued(batches: DataLoader, rng: dict[str, torch.Tensor]) -> Iterator[dict]:
+    """A resumed epoch's batches, torch's generators set to the checkpoint's states once the first is fetched.
+
+    Iterating a DataLoader draws a number from torch's global generator (its workers' base seed) as it fetches
+    the first batch. The run that was never stopped drew it at the epoch's start, before the steps the
+    checkpoint comes after; the resumed run draws it again, after the checkpoint's states were set. Setting
+    them once more after that draw gives the next step the dropout the run never stopped had.
+    """
+    iterator = iter(batches)
+    first = next(iterator, None)
+    set_rng(rng)
+    if first is not None:
+        yield first
+        yield from iterator
 
 
 def train_phase(
@@ -334,7 +353,7 @@ def train_phase(
         if evaluate is not None:
             clock.pause(lambda: evaluate(run.plain, state.optimizer_steps))
 
-    resume_phase(accelerator, phase, run, state, resume)
+    rng = resume_phase(accelerator, phase, run, state, resume)
     clock = Clock(state.train_seconds)  # a resumed phase goes on counting from its checkpoint
     guard, window = Guard(accelerator, phase, run, checkpoint), Window(accelerator, run, phase, state)
     run.wrapped.train()
@@ -345,7 +364,8 @@ def train_phase(
     try:  # the bar ends its line before any error is printed, not glued to it
         for epoch in range(state.epoch, phase.settings.epochs):
             state.epoch = epoch
-            for batch in epoch_batches(accelerator, run, sampler, state):
+            batches, rng = epoch_batches(accelerator, run, sampler, state, rng), {}
+            for batch in batches:
                 train_step(accelerator, phase, run, batch, state, guard, window)
                 state.batches_done += 1
                 state.train_samples += phase.rows(batch) * accelerator.num_processes  # equal shares
@@ -417,14 +437,15 @@ def resume_phase(
     run: Prepared,
     state: TrainingState,
     resume: Path | None,
-) -> None:
-    """Start the phase afresh, or restore it from the checkpoint `resume`."""
+) -> dict[str, torch.Tensor]:
+    """Start the phase afresh, or restore it from the checkpoint `resume`; the checkpoint's generator states."""
     if resume is None:
         state.start_phase(phase.settings.name)
-        return
-    extra = load_checkpoint(accelerator, resume)
+        return {}
+    extra, rng = load_checkpoint(accelerator, resume)
     phase.load_state_dict(extra, accelerator.device)
     accelerator.step = state.accelerator_step  # keeps gradient-accumulation windows where they were
+    return rng
 
 
 def step_taken(

@@ -63,8 +63,9 @@ def save_sentence_transformer(raw: Path, pooling_mode: str) -> Path:
     return folder
 
 
-def build_tiny_model(folder: Path, hidden: int, layers: int, seed: int) -> Path:
-    """A random-init BERT SentenceTransformer (mean pooling + Normalize), dropout off, saved to `folder`."""
+def build_tiny_model(folder: Path, hidden: int, layers: int, seed: int, dropout: float = 0.0) -> Path:
+    """A random-init BERT SentenceTransformer (mean pooling + Normalize), dropout off unless given, saved to
+    `folder`."""
     import torch
     from transformers import BertConfig, BertModel
 
@@ -79,8 +80,8 @@ def build_tiny_model(folder: Path, hidden: int, layers: int, seed: int) -> Path:
         num_attention_heads=2,
         intermediate_size=2 * hidden,
         max_position_embeddings=128,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
     )
     torch.manual_seed(seed)
     BertModel(config).save_pretrained(raw)
@@ -130,16 +131,24 @@ def shared_folder(tmp_path_factory: pytest.TempPathFactory, name: str, make: Cal
     return folder
 
 
-TINY_MODELS = {"teacher": (48, 2, 1), "student": (32, 4, 2), "wide_student": (64, 2, 3)}  # hidden, layers, seed
+# hidden, layers, seed, dropout: the students train without dropout, so runs that should match do so exactly; the
+# one with dropout is for a resume, which must continue torch's generator as the stopped run left it
+TINY_MODELS = {
+    "teacher": (48, 2, 1, 0.0),
+    "student": (32, 4, 2, 0.0),
+    "wide_student": (64, 2, 3, 0.0),
+    "dropout_student": (32, 4, 2, 0.1),
+}
 
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    """{'teacher': 48-d 2-layer, 'student': 32-d 4-layer, 'wide_student': 64-d 2-layer} model folders."""
+    """{'teacher': 48-d 2-layer, 'student': 32-d 4-layer, 'wide_student': 64-d 2-layer, 'dropout_student'}
+    model folders."""
 
     def make(root: Path) -> None:
-        for name, (hidden, layers, seed) in TINY_MODELS.items():
-            build_tiny_model(root / name, hidden=hidden, layers=layers, seed=seed)
+        for name, (hidden, layers, seed, dropout) in TINY_MODELS.items():
+            build_tiny_model(root / name, hidden=hidden, layers=layers, seed=seed, dropout=dropout)
 
     root = shared_folder(tmp_path_factory, "tiny_models", make)
     return {name: root / name / "st" for name in TINY_MODELS}

@@ -30,9 +30,11 @@ ENV = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
 def flags(tiny_models, tiny_data, out: Path, cache: Path, **extra) -> list[str]:
     """A run long enough to be interrupted: 4 + 3 epochs, a checkpoint every 3 optimizer steps.
 
-    Phase 2 keeps a cross-batch passage memory, so a resume that lost it would not reach the same weights.
+    Phase 2 keeps a cross-batch passage memory, and the student has dropout: a resume that lost the memory, or
+    did not continue torch's generator where the stopped run left it, would not reach the same weights.
     """
     settings = dict(
+        student_model=tiny_models["dropout_student"],
         phase1_epochs=4,
         phase2_epochs=3,
         kl_memory_steps=2,
