@@ -2,7 +2,8 @@
 
 A checkpoint is `<output_dir>/checkpoints/checkpoint-<phase>-<step>/` holding
 - Accelerate's `save_state`: student + projection (safetensors), optimizer, scheduler, gradient scaler;
-- `rng_state_<rank>.safetensors`: each process's torch (and CUDA) generator states;
+- `rng_state_<rank>.safetensors`: each process's torch (and CUDA) generator states, set again once a resumed
+  epoch's first batch is fetched (distill/loop.py's `continued`), so dropout goes on as in the run never stopped;
 - `phase_state.safetensors` (when the phase has any): tensors the loop carries between steps, the same on
   every rank, such as phase 2's cross-batch passage memory;
 - `state.json`: phase, epoch, batches done in the epoch, optimizer steps, the losses and results so far,
