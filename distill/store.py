@@ -31,7 +31,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from distill.files import drop_pages, mark_used, read_json
+from distill.files import drop_pages, read_json
 
 Role = Literal["query", "document", "pair"]  # "pair": a reranker's (query, passage) pairs
 
@@ -266,8 +266,3 @@ def read_index(entry: Path, count: int) -> np.ndarray | None:
     if index.shape != (count, DIGEST_BYTES) or index.dtype != np.uint8:
         return None
     return np.ascontiguousarray(index).view(f"V{DIGEST_BYTES}").reshape(-1)
-
-
-def touch(entry: Path) -> None:
-    """Record that `entry` was used now (its manifest's modification time)."""
-    mark_used(entry / "manifest.json")

@@ -35,6 +35,7 @@ from distill.allocator import release_freed_memory
 from distill.config.schema import TeacherConfig
 from distill.distributed import agreed, everyone, main_decides, progress_bar, smallest, writes_for_this_machine
 from distill.errors import DistillError
+from distill.files import mark_used
 from distill.prepared import pick
 from distill.sharding import map_sharded
 from distill.stages.cost import CostTexts, ModelCost, TeacherCosts, device_label
@@ -49,7 +50,6 @@ from distill.store import (
     read_index,
     read_json_or_empty,
     text_digests,
-    touch,
 )
 from distill.teachers import CachedSource, Encoder, Source, TeacherContext, make_source, members_of
 from distill.tokens import texts_fingerprint
@@ -169,7 +169,7 @@ class TeacherCache:
         here = cached is not None
         if everyone(self.accelerator, here):
             if writes_for_this_machine(self.accelerator):
-                touch(entry)  # its last use, for `python -m distill.cache prune --unused_days`
+                mark_used(entry / "manifest.json")  # its last use, for `python -m distill.cache prune --unused_days`
             logger.info(f"teacher cache: {len(texts):,} {role} texts found in {entry}")
             return cached
         cached = None  # the memory map is dropped before the writer replaces the entry
