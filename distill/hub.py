@@ -130,6 +130,17 @@ def hub_snapshot(name: str, revision: str | None, patterns: tuple[str, ...] = ("
         ) from None
 
 
+def dataset_revision(name: str) -> str | None:
+    """The commit a Hub dataset's default branch is at, which stands for its content in the data stage's key; None
+    where the Hub cannot say (offline, unreachable, no such dataset): the caller then reads the dataset itself."""
+    from huggingface_hub import HfApi
+
+    try:
+        return HfApi().dataset_info(name, timeout=10).sha
+    except Exception:  # offline mode, a network error, a 404: no commit to key by, which is not an error here
+        return None
+
+
 def declared_dimension(path_or_name: str) -> int | None:
     """The embedding dimension a local SentenceTransformer folder declares, read without loading weights.
 

@@ -8,9 +8,11 @@ teacher caches key by), so no process hashes the corpus again. Every process the
 `TextColumn`s over the mapped files: read-only sequences that a list's readers accept (an item is a `str`, a slice
 a `list[str]`), whose pages the machine's processes share.
 
-The key hashes the data options, the seed, the phases read and each local source's path, size and modification
-time: an edited file, another seed or another cap is another entry. A Hub dataset has no such stamp, so a run that
-reads one (phase data or NanoBEIR) reads it in every process, as datasets' own cache serves it.
+The key hashes the data options, the seed, the phases read and each source's stamp: a local source's files by
+absolute path, size and modification time (so `data.jsonl` and `./data.jsonl` are one entry), a Hub dataset (phase
+data or NanoBEIR) by the commit the Hub names for it, one metadata request a process. An edited file, a new commit
+on the Hub, another seed or another cap is another entry. Where the Hub cannot name the commit (offline, or
+unreachable), a run that reads a Hub dataset reads it in every process, as datasets' own cache serves it.
 
 pyarrow's IPC files are what `datasets` keeps its cache in; they are written here directly because a
 `datasets.Dataset`'s column reads come back as Python lists of the whole column.
@@ -34,8 +36,19 @@ from distill.config.schema import DataConfig
 from distill.distributed import machine_first
 from distill.errors import DistillError
 from distill.files import mark_used, read_json, staged_folder
+from distill.hub import dataset_revision
 from distill.records import EMBEDDED, resolve_source
-from distill.stages.data import NANOBEIR, DistillData, EvalGroup, EvalSet, Pairs, collected, load_data, warn
+from distill.stages.data import (
+    NANOBEIR,
+    NANOBEIR_HUB,
+    DistillData,
+    EvalGroup,
+    EvalSet,
+    Pairs,
+    collected,
+    load_data,
+    warn,
+)
 from distill.store import DIGEST_BYTES, text_digests
 from distill.tokens import texts_fingerprint
 
@@ -50,6 +63,7 @@ class TextColumn(Sequence[str]):
 
     def __init__(self, array: pa.ChunkedArray, fingerprint: str, digests: np.ndarray) -> None:
         self.array, self.fingerprint, self.digests = array, fingerprint, digests
+        self.starts = np.cumsum([0] + [len(chunk) for chunk in array.chunks])  # each chunk's first row
 
     def __len__(self) -> int:
         return len(self.array)
@@ -76,8 +90,7 @@ class TextColumn(Sequence[str]):
     def pick(self, rows: Sequence[int] | np.ndarray) -> list[str]:
         """The texts at `rows`, in their order: one gather a chunk (a chunked array's own `take` would first join
         its chunks into one copy of the whole column)."""
-        rows = np.asarray(rows, dtype=np.int64)
-        starts = np.cumsum([0] + [len(chunk) for chunk in self.array.chunks])
+        rows, starts = np.asarray(rows, dtype=np.int64), self.starts
         chunk_of = np.searchsorted(starts, rows, side="right") - 1
         texts: list[str] = [""] * len(rows)
         for chunk in np.unique(chunk_of):
@@ -158,37 +171,54 @@ def read_and_keep(
 
 
 def data_key(config: DataConfig, seed: int, need_phase1: bool, need_phase2: bool) -> str | None:
-    """The entry of this data: its options, the seed, the phases read, and each source's stamp (None where a
-    source is a Hub dataset, which has none)."""
-    read = [config.eval_data] + [config.phase1_data] * need_phase1
+    """The entry of this data: its options (each local source by its absolute path), the seed, the phases read,
+    and each source's stamp (None where a source is a Hub dataset whose commit the Hub cannot name)."""
+    sources = {name: source_name(getattr(config, name)) for name in ("phase1_data", "phase2_data", "eval_data")}
+    read = [sources["eval_data"]] + [sources["phase1_data"]] * need_phase1
     if need_phase2 or config.eval_data == "auto":  # "auto": the held-out pairs, or the embedded evaluation set
-        read.append(config.phase2_data)
+        read.append(sources["phase2_data"])
     stamps = {}
     for source in set(read):
         stamp = source_stamp(source)
         if stamp is None:
             return None
         stamps[source] = stamp
-    fields = {"format": PREPARED_FORMAT, "config": dataclasses.asdict(config), "seed": seed}
+    fields = {"format": PREPARED_FORMAT, "config": dataclasses.asdict(config) | sources, "seed": seed}
     fields |= {"phases": [need_phase1, need_phase2], "sources": stamps}
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
+def source_name(source: str) -> str:
+    """`source` with a local path made absolute (`nanobeir:FOLDER` and `FOLDER:SUBSET` included); any other
+    source as it is."""
+    if source in ("auto", "none", EMBEDDED, NANOBEIR):
+        return source
+    prefix, rest = (f"{NANOBEIR}:", source.split(":", 1)[1]) if source.startswith(f"{NANOBEIR}:") else ("", source)
+    try:
+        path, subset = resolve_source(rest)
+    except DistillError:  # a bad path of a phase this run skips; one it reads is said when it is stamped
+        return source
+    if not path.exists():
+        return source
+    return prefix + str(path.resolve()) + (f":{subset['name']}" if subset else "")
+
+
 def source_stamp(source: str) -> list | None:
     """What tells a source's content apart without reading it: each file's path, size and modification time;
-    the embedded corpus's own module files; None for a Hub dataset."""
+    the embedded corpus's own module files; a Hub dataset's commit (None where the Hub cannot name it)."""
+    if source.split(":", 1)[0] == NANOBEIR:
+        source = source.split(":", 1)[1] if ":" in source else NANOBEIR_HUB
     if source in ("auto", "none"):
         files = []
     elif source == EMBEDDED:  # the code that builds the embedded corpus, and the gensim wheel it reads
         files = sorted(Path(__file__).parent.joinpath("embedded").glob("*.py"))
         with contextlib.suppress(metadata.PackageNotFoundError):  # without it, reading says what to install
             source = f"{source} {metadata.version('gensim')}"
-    elif source == NANOBEIR or source.startswith(f"{NANOBEIR}:"):
-        return None
     else:
         path, _ = resolve_source(source)
-        if not path.exists():
-            return None
+        if not path.exists():  # a Hub dataset, NAME or NAME:SUBSET
+            commit = dataset_revision(str(path))
+            return None if commit is None else [source, commit]
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     stats = [(str(p.resolve()), p.stat()) for p in files]
     return [source, [(name, stat.st_size, stat.st_mtime_ns) for name, stat in stats]]

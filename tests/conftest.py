@@ -330,6 +330,19 @@ def steady_cpu_probe(monkeypatch):
 
 
 @pytest.fixture
+def local_hub(monkeypatch):
+    """The Hub's API served on this machine (tests/hub_server.py), and a token for it."""
+    import huggingface_hub.constants
+    from hub_server import HubServer
+
+    with HubServer() as hub:
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setenv("HF_TOKEN", "hf_local_stand_in")
+        yield hub
+
+
+@pytest.fixture
 def partial_state():
     """A one-process CPU accelerate state: distill logs through accelerate's logger, which needs one (the pipeline
     makes it first). Reset after the test by `fresh_accelerate_state`."""

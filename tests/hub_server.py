@@ -1,6 +1,7 @@
 """A stand-in for the Hugging Face Hub's HTTP API on a free local port: the calls sentence-transformers'
 `push_to_hub` makes through `HfApi` (create the repository, validate the card's header, ask each file's upload
-mode, commit the files as they are). It keeps each repository's visibility and files, and every request."""
+mode, commit the files as they are), and `HfApi.dataset_info` for the datasets it is told of. It keeps each
+repository's visibility and files, and every request."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from embeddings_server import _Local
 class HubServer(_Local):
     def __init__(self, fail_commits: bool = False) -> None:
         self.repos: dict[str, dict[str, Any]] = {}  # repo id -> {"private": bool, "files": {path: bytes}}
+        self.datasets: dict[str, str] = {}  # dataset id -> the commit its default branch is at
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, authorization)
         self.fail_commits = fail_commits
         self.card_headers: list[str] = []  # the model cards sent for validation
@@ -39,6 +41,14 @@ class HubServer(_Local):
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                hub.requests.append(("GET", self.path, self.headers.get("Authorization")))
+                parts = self.path.split("?")[0].strip("/").split("/")
+                dataset = "/".join(parts[2:4])
+                if parts[:2] == ["api", "datasets"] and dataset in hub.datasets:
+                    return self.answer(200, {"id": dataset, "sha": hub.datasets[dataset], "private": False})
+                self.answer(404, {"error": f"the stand-in does not serve {self.path}"})
 
             def do_POST(self) -> None:
                 raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
