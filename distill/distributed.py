@@ -33,7 +33,13 @@ from typing import TypeVar
 import numpy as np
 import torch
 import torch.distributed as dist
-from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
+from accelerate import (
+    Accelerator,
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    InitProcessGroupKwargs,
+    PartialState,
+)
 from accelerate.utils import (
     DDPCommunicationHookType,
     TorchDynamoPlugin,
@@ -349,7 +355,7 @@ def compile_plugin() -> TorchDynamoPlugin:
     return TorchDynamoPlugin(backend=backend, use_regional_compilation=True, dynamic=True)
 
 
-def main_decides(accelerator: Accelerator, decide: Callable[[], T]) -> T:
+def main_decides(accelerator: Accelerator | PartialState, decide: Callable[[], T]) -> T:
     """`decide()` on the main process; every process returns its value, or raises the DistillError it raised.
 
     The value travels by pickle (`broadcast_object_list`): the same array or verdict everywhere, even where
@@ -378,8 +384,6 @@ def everyone(accelerator: Accelerator, flag: bool) -> bool:
 def machine_first() -> Iterator[None]:
     """Each machine's first process runs the block, then the machine's others do (accelerate's
     `local_main_process_first`): work kept on a machine's disk is done there once."""
-    from accelerate import PartialState
-
     with PartialState().local_main_process_first():
         yield
 

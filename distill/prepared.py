@@ -31,9 +31,10 @@ from typing import Any, overload
 
 import numpy as np
 import pyarrow as pa
+from accelerate import PartialState
 
 from distill.config.schema import DataConfig
-from distill.distributed import machine_first
+from distill.distributed import machine_first, main_decides
 from distill.errors import DistillError
 from distill.files import mark_used, read_json, staged_folder
 from distill.hub import dataset_revision
@@ -174,15 +175,15 @@ def data_key(config: DataConfig, seed: int, need_phase1: bool, need_phase2: bool
     """The entry of this data: its options (each local source by its absolute path), the seed, the phases read,
     and each source's stamp (None where a source is a Hub dataset whose commit the Hub cannot name)."""
     sources = {name: source_name(getattr(config, name)) for name in ("phase1_data", "phase2_data", "eval_data")}
-    read = [sources["eval_data"]] + [sources["phase1_data"]] * need_phase1
+    read = {sources["eval_data"]} | ({sources["phase1_data"]} if need_phase1 else set())
     if need_phase2 or config.eval_data == "auto":  # "auto": the held-out pairs, or the embedded evaluation set
-        read.append(sources["phase2_data"])
-    stamps = {}
-    for source in set(read):
-        stamp = source_stamp(source)
-        if stamp is None:
-            return None
-        stamps[source] = stamp
+        read.add(sources["phase2_data"])
+    # asked by the main process and sent to the others: one request a dataset, and one verdict on every process (a
+    # process with no key reads alone, and one with a key waits for its machine's first: they must agree)
+    commits = main_decides(PartialState(), lambda: {name: dataset_revision(name) for name in hub_datasets(read)})
+    stamps = {source: source_stamp(source, commits) for source in read}
+    if None in stamps.values():
+        return None
     fields = {"format": PREPARED_FORMAT, "config": dataclasses.asdict(config) | sources, "seed": seed}
     fields |= {"phases": [need_phase1, need_phase2], "sources": stamps}
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:32]
@@ -203,11 +204,30 @@ def source_name(source: str) -> str:
     return prefix + str(path.resolve()) + (f":{subset['name']}" if subset else "")
 
 
-def source_stamp(source: str) -> list | None:
-    """What tells a source's content apart without reading it: each file's path, size and modification time;
-    the embedded corpus's own module files; a Hub dataset's commit (None where the Hub cannot name it)."""
+def hub_datasets(sources: set[str]) -> list[str]:
+    """The Hub datasets `sources` name (NanoBEIR's included), sorted."""
+    return sorted(name for name in map(hub_dataset, sources) if name is not None)
+
+
+def hub_dataset(source: str) -> str | None:
+    """The Hub dataset `source` reads (`NAME`, `NAME:SUBSET`, `nanobeir`, `nanobeir:NAME`), else None."""
     if source.split(":", 1)[0] == NANOBEIR:
         source = source.split(":", 1)[1] if ":" in source else NANOBEIR_HUB
+    if source in ("auto", "none", EMBEDDED):
+        return None
+    path, _ = resolve_source(source)
+    return None if path.exists() else str(path)
+
+
+def source_stamp(source: str, commits: dict[str, str | None]) -> list | None:
+    """What tells a source's content apart without reading it: each file's path, size and modification time;
+    the embedded corpus's own module files; a Hub dataset's commit from `commits` (None where it has none)."""
+    hub = hub_dataset(source)
+    if hub is not None:
+        commit = commits.get(hub)
+        return None if commit is None else [source, commit]
+    if source.split(":", 1)[0] == NANOBEIR:  # a local folder in NanoBEIR's format
+        source = source.split(":", 1)[1]
     if source in ("auto", "none"):
         files = []
     elif source == EMBEDDED:  # the code that builds the embedded corpus, and the gensim wheel it reads
@@ -216,9 +236,6 @@ def source_stamp(source: str) -> list | None:
             source = f"{source} {metadata.version('gensim')}"
     else:
         path, _ = resolve_source(source)
-        if not path.exists():  # a Hub dataset, NAME or NAME:SUBSET
-            commit = dataset_revision(str(path))
-            return None if commit is None else [source, commit]
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     stats = [(str(p.resolve()), p.stat()) for p in files]
     return [source, [(name, stat.st_size, stat.st_mtime_ns) for name, stat in stats]]
