@@ -10,7 +10,7 @@ a `list[str]`), whose pages the machine's processes share.
 
 The key hashes the data options, the seed, the phases read and each source's stamp: a local source's files by
 absolute path, size and modification time (so `data.jsonl` and `./data.jsonl` are one entry), a Hub dataset (phase
-data or NanoBEIR) by the commit the Hub names for it, one metadata request a process. An edited file, a new commit
+data or NanoBEIR) by the commit the Hub names for it, which the main process asks for. An edited file, a new commit
 on the Hub, another seed or another cap is another entry. Where the Hub cannot name the commit (offline, or
 unreachable), a run that reads a Hub dataset reads it in every process, as datasets' own cache serves it.
 
