@@ -56,6 +56,7 @@ from distill.tokens import texts_fingerprint
 PREPARED_FORMAT = 1
 WRITE_ROWS = 65_536  # texts a record batch of the files holds
 READ_ROWS = 8_192  # texts turned into Python strings at a time when a column is iterated
+MINED_LATER = {"mine_hard_negatives"}  # data options `load_data` does not read (the teacher stage mines)
 
 
 class TextColumn(Sequence[str]):
@@ -184,7 +185,8 @@ def data_key(config: DataConfig, seed: int, need_phase1: bool, need_phase2: bool
     stamps = {source: source_stamp(source, commits) for source in read}
     if None in stamps.values():
         return None
-    fields = {"format": PREPARED_FORMAT, "config": dataclasses.asdict(config) | sources, "seed": seed}
+    options = {k: v for k, v in dataclasses.asdict(config).items() if k not in MINED_LATER} | sources
+    fields = {"format": PREPARED_FORMAT, "config": options, "seed": seed}
     fields |= {"phases": [need_phase1, need_phase2], "sources": stamps}
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:32]
 

@@ -93,6 +93,8 @@ def test_a_changed_source_another_seed_or_cap_is_another_entry(tmp_path: Path) -
     prepared_data(config, 4, True, True, cache)  # another seed: other held-out pairs
     prepared_data(DataConfig(**{**vars(config), "max_samples_phase1": 100}), 3, True, True, cache)
     assert len(list(cache.iterdir())) == 3
+    prepared_data(DataConfig(**{**vars(config), "mine_hard_negatives": 4}), 3, True, True, cache)  # mined later
+    assert len(list(cache.iterdir())) == 3
     texts = Path(config.phase1_data)
     texts.write_text(texts.read_text() + "one more text\n")
     os.utime(texts, ns=(texts.stat().st_atime_ns, texts.stat().st_mtime_ns + 1_000_000))
