@@ -355,19 +355,21 @@ def compile_plugin() -> TorchDynamoPlugin:
     return TorchDynamoPlugin(backend=backend, use_regional_compilation=True, dynamic=True)
 
 
-def main_decides(accelerator: Accelerator | PartialState, decide: Callable[[], T]) -> T:
+def main_decides(accelerator: Accelerator | None, decide: Callable[[], T]) -> T:
     """`decide()` on the main process; every process returns its value, or raises the DistillError it raised.
+    Without an `accelerator` (a stage that has none at hand), the processes accelerate's state knows.
 
     The value travels by pickle (`broadcast_object_list`): the same array or verdict everywhere, even where
     linear algebra or a view of a shared folder would differ from machine to machine.
     """
+    state = PartialState() if accelerator is None else accelerator
     outcome: list = [None]  # (value, error message or None)
-    if accelerator.is_main_process:
+    if state.is_main_process:
         try:
             outcome[0] = (decide(), None)
         except DistillError as e:
             outcome[0] = (None, str(e))
-    if accelerator.num_processes > 1:
+    if state.num_processes > 1:
         broadcast_object_list(outcome)
     value, problem = outcome[0]
     if problem is not None:

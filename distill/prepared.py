@@ -31,7 +31,6 @@ from typing import Any, overload
 
 import numpy as np
 import pyarrow as pa
-from accelerate import PartialState
 
 from distill.config.schema import DataConfig
 from distill.distributed import machine_first, main_decides
@@ -181,7 +180,7 @@ def data_key(config: DataConfig, seed: int, need_phase1: bool, need_phase2: bool
         read.add(sources["phase2_data"])
     # asked by the main process and sent to the others: one request a dataset, and one verdict on every process (a
     # process with no key reads alone, and one with a key waits for its machine's first: they must agree)
-    commits = main_decides(PartialState(), lambda: {name: dataset_revision(name) for name in hub_datasets(read)})
+    commits = main_decides(None, lambda: {name: dataset_revision(name) for name in hub_datasets(read)})
     stamps = {source: source_stamp(source, commits) for source in read}
     if None in stamps.values():
         return None
