@@ -37,7 +37,7 @@ from distill.distributed import machine_first, main_decides
 from distill.errors import DistillError
 from distill.files import mark_used, read_json, staged_folder
 from distill.hub import dataset_revision
-from distill.records import EMBEDDED, resolve_source
+from distill.records import EMBEDDED, pinned, resolve_source
 from distill.stages.data import (
     NANOBEIR,
     NANOBEIR_HUB,
@@ -139,11 +139,18 @@ def prepared_data(
     config: DataConfig, seed: int, need_phase1: bool, need_phase2: bool, folder: Path | None
 ) -> DistillData:
     """`load_data`'s result, read once per machine into `folder` and memory-mapped from there by every process
-    (without a folder, or with a Hub source: read here)."""
-    key = data_key(config, seed, need_phase1, need_phase2)
-    if folder is None or key is None:
-        return load_data(config, seed, need_phase1, need_phase2)
-    entry = folder / key
+    (without a folder, or with a Hub dataset whose commit the Hub cannot name: read here). A Hub dataset is read at
+    the commit the main process was told, on every machine."""
+    commits = hub_commits(config, need_phase1, need_phase2)
+    key = data_key(config, seed, need_phase1, need_phase2, commits)
+    with pinned(commits):
+        if folder is None or key is None:
+            return load_data(config, seed, need_phase1, need_phase2)
+        return kept_data(config, seed, need_phase1, need_phase2, folder / key)
+
+
+def kept_data(config: DataConfig, seed: int, need_phase1: bool, need_phase2: bool, entry: Path) -> DistillData:
+    """The data of `entry`, read and written there first by the machine's first process if it is not there yet."""
     with machine_first():  # the machine's first process reads the data; the others map what it wrote
         kept = (entry / "fields.json").is_file()
         read = None if kept else read_and_keep(config, seed, need_phase1, need_phase2, entry)
@@ -171,23 +178,38 @@ def read_and_keep(
     return load(entry, replay=False)
 
 
-def data_key(config: DataConfig, seed: int, need_phase1: bool, need_phase2: bool) -> str | None:
+def data_key(
+    config: DataConfig, seed: int, need_phase1: bool, need_phase2: bool, commits: dict[str, str | None]
+) -> str | None:
     """The entry of this data: its options (each local source by its absolute path), the seed, the phases read,
-    and each source's stamp (None where a source is a Hub dataset whose commit the Hub cannot name)."""
-    sources = {name: source_name(getattr(config, name)) for name in ("phase1_data", "phase2_data", "eval_data")}
-    read = {sources["eval_data"]} | ({sources["phase1_data"]} if need_phase1 else set())
-    if need_phase2 or config.eval_data == "auto":  # "auto": the held-out pairs, or the embedded evaluation set
-        read.add(sources["phase2_data"])
-    # asked by the main process and sent to the others: one request a dataset, and one verdict on every process (a
-    # process with no key reads alone, and one with a key waits for its machine's first: they must agree)
-    commits = main_decides(None, lambda: {name: dataset_revision(name) for name in hub_datasets(read)})
-    stamps = {source: source_stamp(source, commits) for source in read}
+    and each source's stamp (None where a source is a Hub dataset with no commit in `commits`)."""
+    stamps = {source: source_stamp(source, commits) for source in sources_read(config, need_phase1, need_phase2)}
     if None in stamps.values():
         return None
+    sources = {name: source_name(getattr(config, name)) for name in ("phase1_data", "phase2_data", "eval_data")}
     options = {k: v for k, v in dataclasses.asdict(config).items() if k not in MINED_LATER} | sources
     fields = {"format": PREPARED_FORMAT, "config": options, "seed": seed}
     fields |= {"phases": [need_phase1, need_phase2], "sources": stamps}
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def hub_commits(config: DataConfig, need_phase1: bool, need_phase2: bool) -> dict[str, str | None]:
+    """The commit of each Hub dataset the run reads (None where the Hub cannot name it).
+
+    Asked by the main process and sent to the others: one request a dataset, and one answer on every process and
+    machine. A process with no key reads alone while one with a key waits for its machine's first, so they must
+    agree; and every machine must read the same rows.
+    """
+    read = sources_read(config, need_phase1, need_phase2)
+    return main_decides(None, lambda: {name: dataset_revision(name) for name in hub_datasets(read)})
+
+
+def sources_read(config: DataConfig, need_phase1: bool, need_phase2: bool) -> set[str]:
+    """The sources `load_data` reads for these phases, local paths made absolute."""
+    read = {config.eval_data} | ({config.phase1_data} if need_phase1 else set())
+    if need_phase2 or config.eval_data == "auto":  # "auto": the held-out pairs, or the embedded evaluation set
+        read.add(config.phase2_data)
+    return {source_name(source) for source in read}
 
 
 def source_name(source: str) -> str:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from itertools import chain, islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +41,25 @@ PASSAGE_COLUMNS = ("passage", "positive", "answer", "document", "pos", "context"
 
 
 CHUNK_ROWS = 10_000  # rows read (and converted to Python) at a time from a dataset
+
+
+PINNED: ContextVar[dict[str, str] | None] = ContextVar("pinned", default=None)  # Hub dataset -> the commit to read
+
+
+@contextmanager
+def pinned(commits: dict[str, str | None]) -> Iterator[None]:
+    """Inside the block a Hub dataset named in `commits` is read at its commit, not at what its branch holds by
+    then (distill/prepared.py keys the data by that commit; every machine reads the same rows)."""
+    token = PINNED.set({name: commit for name, commit in commits.items() if commit is not None})
+    try:
+        yield
+    finally:
+        PINNED.reset(token)
+
+
+def revision(dataset: str) -> str | None:
+    """The commit `pinned` names for a Hub dataset, else None (its default branch)."""
+    return (PINNED.get() or {}).get(dataset)
 
 
 def read_records(source: str, max_rows: int | None = None) -> list[dict[str, Any]]:
@@ -158,6 +179,8 @@ def _stream(path: str, source: str, size: int | None, **kwargs: Any) -> Iterator
     datasets.disable_progress_bars()  # the bar below counts the rows instead
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a parse error is this function's one line
     try:
+        if size is None:  # a Hub dataset
+            kwargs["revision"] = revision(path)
         rows = iter(datasets.load_dataset(path, split="train", streaming=True, **kwargs))
     except Exception as e:  # datasets raises many kinds; each becomes one line that says what to do
         raise _load_error(e, source) from None

@@ -14,7 +14,17 @@ import pytest
 
 import distill.prepared as prepared
 from distill.config import DataConfig
-from distill.prepared import Negatives, TextColumn, data_key, pick, prepared_data, read_column, write_column
+from distill.prepared import (
+    Negatives,
+    TextColumn,
+    data_key,
+    hub_commits,
+    pick,
+    prepared_data,
+    read_column,
+    write_column,
+)
+from distill.records import iter_records, pinned, revision
 from distill.stages.data import NANOBEIR_HUB, load_data, passage_texts
 from distill.store import text_digests
 from distill.tokens import texts_fingerprint
@@ -102,38 +112,58 @@ def test_a_changed_source_another_seed_or_cap_is_another_entry(tmp_path: Path) -
     assert data.phase1_texts[-1] == "one more text" and len(list(cache.iterdir())) == 4
 
 
-def test_a_hub_dataset_is_keyed_by_its_commit_and_read_once(
+def key_of(config: DataConfig, need_phase1: bool = True, need_phase2: bool = True) -> str | None:
+    """The data's key, the Hub asked for its datasets' commits as a run asks."""
+    return data_key(config, 3, need_phase1, need_phase2, hub_commits(config, need_phase1, need_phase2))
+
+
+def test_a_hub_dataset_is_keyed_by_its_commit_read_at_it_and_read_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, local_hub
 ) -> None:
-    """A Hub dataset (phase data or NanoBEIR) is stamped by the commit the Hub names for it: a rerun reads it no
-    more and a new commit is another entry; one whose commit the Hub cannot name is read by each process."""
+    """A Hub dataset (phase data or NanoBEIR) is stamped by the commit the Hub names for it and read at that commit:
+    a rerun reads it no more and a new commit is another entry; one whose commit the Hub cannot name is read by each
+    process."""
     config = write_sources(tmp_path / "data")
     local_hub.datasets |= {"someone/pairs": "a" * 40, NANOBEIR_HUB: "b" * 40}
     reads = []
 
     def from_local_files(hub: DataConfig, *args: object) -> object:  # the Hub's rows, served by the local files
-        reads.append(hub.phase2_data)
+        reads.append((hub.phase2_data, revision(hub.phase2_data)))
         return load_data(DataConfig(**{**vars(hub), "phase2_data": config.phase2_data}), *args)
 
     monkeypatch.setattr(prepared, "load_data", from_local_files)
     hub = DataConfig(**{**vars(config), "phase2_data": "someone/pairs"})
     first = prepared_data(hub, 3, True, True, tmp_path / "cache")
     again = prepared_data(hub, 3, True, True, tmp_path / "cache")
-    assert reads == ["someone/pairs"] and list(again.phase2.queries) == list(first.phase2.queries)
-    key = data_key(hub, 3, True, True)
+    assert reads == [("someone/pairs", "a" * 40)] and list(again.phase2.queries) == list(first.phase2.queries)
+    key = key_of(hub)
     subset = DataConfig(**{**vars(hub), "phase2_data": "someone/pairs:subset"})
-    assert key is not None and data_key(subset, 3, True, True) not in (None, key)
+    assert key is not None and key_of(subset) not in (None, key)
     local_hub.datasets["someone/pairs"] = "c" * 40  # a new commit on the Hub
-    assert data_key(hub, 3, True, True) not in (None, key)
-    assert data_key(DataConfig(**{**vars(config), "eval_data": "nanobeir"}), 3, True, True)
+    assert key_of(hub) not in (None, key)
+    assert key_of(DataConfig(**{**vars(config), "eval_data": "nanobeir"}))
     asked = [path for method, path, _ in local_hub.requests if path.startswith("/api/datasets/")]
     assert asked == ["/api/datasets/someone/pairs"] * 5 + [f"/api/datasets/{NANOBEIR_HUB}"], asked
 
     unknown = DataConfig(**{**vars(config), "phase2_data": "someone/unknown"})  # the Hub answers 404
-    assert data_key(unknown, 3, True, True) is None
-    assert data_key(DataConfig(**{**vars(config), "eval_data": "nanobeir:someone/copy"}), 3, True, True) is None
+    assert key_of(unknown) is None
+    assert key_of(DataConfig(**{**vars(config), "eval_data": "nanobeir:someone/copy"})) is None
     prepared_data(unknown, 3, True, True, tmp_path / "other")
-    assert reads[1:] == ["someone/unknown"] and not (tmp_path / "other").exists()
+    assert reads[1:] == [("someone/unknown", None)] and not (tmp_path / "other").exists()
+
+
+def test_a_pinned_hub_dataset_is_streamed_at_its_commit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside `pinned`, a Hub dataset with a commit is streamed at it; without one, or outside, at its branch."""
+    import datasets
+
+    asked = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: asked.append(kwargs) or iter([{"text": "a"}]))
+    with pinned({"someone/texts": "d" * 40, "someone/other": None}):
+        assert list(iter_records("someone/texts:subset")) == [{"text": "a"}]
+        list(iter_records("someone/other"))
+    list(iter_records("someone/texts"))
+    read_at = [(kwargs["revision"], kwargs.get("name")) for kwargs in asked]
+    assert read_at == [("d" * 40, "subset"), (None, None), (None, None)]  # pinned; no commit known; outside the block
 
 
 def test_a_local_source_is_one_entry_however_its_path_is_written(
@@ -142,12 +172,12 @@ def test_a_local_source_is_one_entry_however_its_path_is_written(
     config = write_sources(tmp_path / "data")
     monkeypatch.chdir(tmp_path)
     spellings = [config.phase1_data, "data/texts.txt", "./data/texts.txt", "data/../data/texts.txt"]
-    keys = {data_key(DataConfig(**{**vars(config), "phase1_data": path}), 3, True, True) for path in spellings}
+    keys = {key_of(DataConfig(**{**vars(config), "phase1_data": path})) for path in spellings}
     assert len(keys) == 1 and None not in keys
     other = DataConfig(**{**vars(config), "phase2_data": "data/texts.txt"})  # another source is another entry
-    assert data_key(other, 3, True, True) not in keys
+    assert key_of(other) not in keys
     skipped = DataConfig(**{**vars(config), "phase1_data": "./missing.txt"})  # a phase the run skips is not read
-    assert data_key(skipped, 3, False, True)
+    assert key_of(skipped, need_phase1=False)
 
 
 def test_a_column_reads_as_a_list_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

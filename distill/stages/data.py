@@ -32,6 +32,7 @@ from distill.records import (
     _head_and_rest,
     first_item,
     pick_column,
+    revision,
 )
 
 if TYPE_CHECKING:
@@ -466,7 +467,7 @@ def _nanobeir_rows(dataset_id: str, subset: str, split: str) -> Any:
     from datasets import load_dataset
 
     try:
-        return load_dataset(dataset_id, subset, split=split)
+        return load_dataset(dataset_id, subset, split=split, revision=revision(dataset_id))
     except Exception as e:  # offline, no such dataset or split: one line that says what NanoBEIR needs
         raise DistillError(
             f"eval_data nanobeir: cannot read {dataset_id!r} (subset {subset!r}, split {split!r}: {first_line(e)}); "
