@@ -12,7 +12,8 @@ The key hashes the data options, the seed, the phases read and each source's sta
 absolute path, size and modification time (so `data.jsonl` and `./data.jsonl` are one entry), a Hub dataset (phase
 data or NanoBEIR) by the commit the Hub names for it, which the main process asks for. An edited file, a new commit
 on the Hub, another seed or another cap is another entry. Where the Hub cannot name the commit (offline, or
-unreachable), a run that reads a Hub dataset reads it in every process, as datasets' own cache serves it.
+unreachable), every process reads NanoBEIR itself, from datasets' own cache, and the phase data are kept still;
+phase data from such a Hub dataset are read by every process.
 
 pyarrow's IPC files are what `datasets` keeps its cache in; they are written here directly because a
 `datasets.Dataset`'s column reads come back as Python lists of the whole column.
@@ -47,6 +48,7 @@ from distill.stages.data import (
     Pairs,
     collected,
     load_data,
+    nanobeir_eval_set,
     warn,
 )
 from distill.store import DIGEST_BYTES, text_digests
@@ -139,14 +141,33 @@ def prepared_data(
     config: DataConfig, seed: int, need_phase1: bool, need_phase2: bool, folder: Path | None
 ) -> DistillData:
     """`load_data`'s result, read once per machine into `folder` and memory-mapped from there by every process
-    (without a folder, or with a Hub dataset whose commit the Hub cannot name: read here). A Hub dataset is read at
-    the commit the main process was told, on every machine."""
+    (without a folder, or with phase data from a Hub dataset whose commit the Hub cannot name: read here). A Hub
+    dataset is read at the commit the main process was told, on every machine."""
     commits = hub_commits(config, need_phase1, need_phase2)
-    key = data_key(config, seed, need_phase1, need_phase2, commits)
     with pinned(commits):
-        if folder is None or key is None:
-            return load_data(config, seed, need_phase1, need_phase2)
-        return kept_data(config, seed, need_phase1, need_phase2, folder / key)
+        evaluated = hub_dataset(source_name(config.eval_data))
+        if folder is not None and evaluated is not None and commits.get(evaluated) is None:
+            # NanoBEIR offline, or from a Hub that cannot date it: each process reads it (13 small datasets from
+            # datasets' own cache), and the phase data, which may be millions of texts, are still kept once
+            kept = dataclasses.replace(config, eval_data="none")
+            data = prepared_data_at(kept, seed, need_phase1, need_phase2, folder, commits)
+            return dataclasses.replace(data, evaluation=nanobeir_eval_set(config.eval_data, config.nanobeir_datasets))
+        return prepared_data_at(config, seed, need_phase1, need_phase2, folder, commits)
+
+
+def prepared_data_at(
+    config: DataConfig,
+    seed: int,
+    need_phase1: bool,
+    need_phase2: bool,
+    folder: Path | None,
+    commits: dict[str, str | None],
+) -> DistillData:
+    """`prepared_data` once the Hub's commits are known."""
+    key = data_key(config, seed, need_phase1, need_phase2, commits)
+    if folder is None or key is None:
+        return load_data(config, seed, need_phase1, need_phase2)
+    return kept_data(config, seed, need_phase1, need_phase2, folder / key)
 
 
 def kept_data(config: DataConfig, seed: int, need_phase1: bool, need_phase2: bool, entry: Path) -> DistillData:

@@ -166,6 +166,40 @@ def test_a_pinned_hub_dataset_is_streamed_at_its_commit(monkeypatch: pytest.Monk
     assert read_at == [("d" * 40, "subset"), (None, None), (None, None)]  # pinned; no commit known; outside the block
 
 
+def test_nanobeir_the_hub_cannot_date_is_read_by_each_process_and_the_phase_data_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, local_hub, nanobeir_stand_in: Path
+) -> None:
+    """Offline, or with a Hub that does not answer, NanoBEIR has no commit to key by: each process reads it (from
+    datasets' cache), and the phase data are still read once and kept. Once the Hub dates it, it is kept with them,
+    read at its commit."""
+    import distill.stages.data as data_stage
+
+    config = DataConfig(
+        **{**vars(write_sources(tmp_path / "data")), "eval_data": "nanobeir", "nanobeir_datasets": "scifact"}
+    )
+    nanobeir_reads, loads = [], []
+    rows, load = data_stage._nanobeir_rows, prepared.load_data
+
+    def from_the_stand_in(dataset: str, subset: str, split: str) -> object:  # NanoBEIR-en, served by a local copy
+        nanobeir_reads.append(revision(dataset))
+        return rows(str(nanobeir_stand_in), subset, split)
+
+    monkeypatch.setattr(data_stage, "_nanobeir_rows", from_the_stand_in)
+    monkeypatch.setattr(prepared, "load_data", lambda data, *args: loads.append(data.eval_data) or load(data, *args))
+    expected = data_stage.nanobeir_eval_set("nanobeir", "scifact")
+    nanobeir_reads.clear()
+    first = prepared_data(config, 3, True, True, tmp_path / "cache")  # the stand-in Hub does not know NanoBEIR-en
+    again = prepared_data(config, 3, True, True, tmp_path / "cache")
+    assert first.evaluation == again.evaluation == expected and list(again.phase1_texts) == list(first.phase1_texts)
+    assert loads == ["none"] and nanobeir_reads == [None] * 6  # the phase data read once; NanoBEIR's 3 subsets twice
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+
+    local_hub.datasets[NANOBEIR_HUB] = "e" * 40
+    dated = prepared_data(config, 3, True, True, tmp_path / "cache")
+    assert prepared_data(config, 3, True, True, tmp_path / "cache").evaluation == dated.evaluation == expected
+    assert loads[1:] == ["nanobeir"] and nanobeir_reads[6:] == ["e" * 40] * 3  # read once more, at its commit
+
+
 def test_a_local_source_is_one_entry_however_its_path_is_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
