@@ -256,7 +256,8 @@ def hub_datasets(sources: set[str]) -> list[str]:
 def hub_dataset(source: str) -> str | None:
     """The Hub dataset `source` reads (`NAME`, `NAME:SUBSET`, `nanobeir`, `nanobeir:NAME`), else None."""
     if source.split(":", 1)[0] == NANOBEIR:
-        source = source.split(":", 1)[1] if ":" in source else NANOBEIR_HUB
+        name = source.split(":", 1)[1] if ":" in source else NANOBEIR_HUB
+        return None if name.startswith((".", "/", "~")) or Path(name).expanduser().exists() else name
     if source in ("auto", "none", EMBEDDED):
         return None
     path, _ = resolve_source(source)
@@ -272,6 +273,8 @@ def source_stamp(source: str, commits: dict[str, str | None]) -> list | None:
         return None if commit is None else [source, commit]
     if source.split(":", 1)[0] == NANOBEIR:  # a local folder in NanoBEIR's format
         source = source.split(":", 1)[1]
+        if not Path(source).expanduser().exists():
+            return None  # reading it says what NanoBEIR needs
     if source in ("auto", "none"):
         files = []
     elif source == EMBEDDED:  # the code that builds the embedded corpus, and the gensim wheel it reads
