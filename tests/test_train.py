@@ -364,13 +364,15 @@ def test_shipped_minilm_on_embedded_data_gets_closer_to_the_teacher(tmp_path):
         (False, 1, "relaunch", 2, None),
         (False, 1, "relaunch", 1, 64),
         (True, 1, "run_ddp.sh", "reranker", None),
+        (False, 1, "relaunch", "reranker", None),
     ],
     ids=[
         "projection-relaunch",
         "matryoshka-accumulating-run_ddp",
         "two-teachers-relaunch",
         "token-budget-relaunch",
-        "reranker-run_ddp",
+        "reranker-projection-run_ddp",
+        "reranker-matryoshka-relaunch",
     ],
 )
 def test_two_processes_match_one_process_with_twice_the_batch(
