@@ -238,7 +238,8 @@ def source_name(source: str) -> str:
     source as it is."""
     if source in ("auto", "none", EMBEDDED, NANOBEIR):
         return source
-    prefix, rest = (f"{NANOBEIR}:", source.split(":", 1)[1]) if source.startswith(f"{NANOBEIR}:") else ("", source)
+    copy = nanobeir_copy(source)
+    prefix, rest = ("", source) if copy is None else (f"{NANOBEIR}:", copy)
     try:
         path, subset = resolve_source(rest)
     except DistillError:  # a bad path of a phase this run skips; one it reads is said when it is stamped
@@ -248,6 +249,14 @@ def source_name(source: str) -> str:
     return prefix + str(path.resolve()) + (f":{subset['name']}" if subset else "")
 
 
+def nanobeir_copy(source: str) -> str | None:
+    """The Hub dataset or local folder a NanoBEIR source reads (`nanobeir`: its Hub copy); None for another
+    source."""
+    if source.split(":", 1)[0] != NANOBEIR:
+        return None
+    return source.split(":", 1)[1] if ":" in source else NANOBEIR_HUB
+
+
 def hub_datasets(sources: set[str]) -> list[str]:
     """The Hub datasets `sources` name (NanoBEIR's included), sorted."""
     return sorted(name for name in map(hub_dataset, sources) if name is not None)
@@ -255,9 +264,9 @@ def hub_datasets(sources: set[str]) -> list[str]:
 
 def hub_dataset(source: str) -> str | None:
     """The Hub dataset `source` reads (`NAME`, `NAME:SUBSET`, `nanobeir`, `nanobeir:NAME`), else None."""
-    if source.split(":", 1)[0] == NANOBEIR:
-        name = source.split(":", 1)[1] if ":" in source else NANOBEIR_HUB
-        return None if name.startswith((".", "/", "~")) or Path(name).expanduser().exists() else name
+    copy = nanobeir_copy(source)
+    if copy is not None:
+        return None if copy.startswith((".", "/", "~")) or Path(copy).expanduser().exists() else copy
     if source in ("auto", "none", EMBEDDED):
         return None
     path, _ = resolve_source(source)
@@ -271,10 +280,11 @@ def source_stamp(source: str, commits: dict[str, str | None]) -> list | None:
     if hub is not None:
         commit = commits.get(hub)
         return None if commit is None else [source, commit]
-    if source.split(":", 1)[0] == NANOBEIR:  # a local folder in NanoBEIR's format
-        source = source.split(":", 1)[1]
-        if not Path(source).expanduser().exists():
+    copy = nanobeir_copy(source)
+    if copy is not None:  # a local folder in NanoBEIR's format
+        if not Path(copy).expanduser().exists():
             return None  # reading it says what NanoBEIR needs
+        source = copy
     if source in ("auto", "none"):
         files = []
     elif source == EMBEDDED:  # the code that builds the embedded corpus, and the gensim wheel it reads
