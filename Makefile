@@ -15,7 +15,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[demo,test]"
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[demo,test,onnx]"
 	touch $(STAMP)
 
 # tcmalloc keeps a CPU run's peak memory flat as the data grows (distill/allocator.py, docs/BENCHMARKS.md).
@@ -45,9 +45,10 @@ demo-reranker: $(ALLOCATOR)
 	$(BIN)/python bench/cross_encoder.py --output runs/cache/cross-encoder
 	$(PRELOAD) $(BIN)/python -m distill.train --config configs/demo_reranker.yaml
 
-# distill vs sentence-transformers' own recipe on the demo, side by side; writes runs/quality/QUALITY.md (~20 min)
+# distill's phase 1 vs sentence-transformers' own distillation recipe on the demo, side by side; writes
+# runs/quality/QUALITY.md (~20 min). Phase 2's labels against their peer: bench/label_peer.py (docs/QUALITY.md).
 quality: $(ALLOCATOR)
-	$(PRELOAD) $(BIN)/python bench/quality.py --config configs/demo.yaml
+	$(PRELOAD) $(BIN)/python bench/quality.py --config configs/demo.yaml --skip_phase2 True
 
 # Two pytest-xdist workers, one thread each (tests/conftest.py): most tests start processes that spend
 # seconds importing torch and sentence-transformers on one core. TEST_WORKERS=0 runs the suite in one process.

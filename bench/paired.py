@@ -3,8 +3,9 @@
     python bench/paired.py runs/base_s42:runs/change_s42 runs/base_s1:runs/change_s1 ...
 
 Each argument is BASE:CHANGED, the output_dirs of two runs with the same seed (so the same evaluation queries).
-A side may name one of its run's evaluations as DIR@STAGE (after_phase1, student_before; student_after when
-none is named): `runs/x@after_phase1:runs/x` is what the run's phase 2 added.
+A side may name one of its run's evaluations as DIR@STAGE (after_phase1, student_before, teacher; student_after
+when none is named): `runs/x@after_phase1:runs/x` is what the run's phase 2 added, `runs/x@teacher:runs/x` how the
+student stands against its teacher.
 For each pair it prints the change's nDCG@10 difference with a 95% paired-bootstrap interval over the queries
 (bench/quality.py's `paired_difference`), and with several pairs one interval over all their queries. On the
 demo's 867 queries two distill variants' interval on one seed was about +-0.0025 to +-0.0043 wide (docs/QUALITY.md),
@@ -20,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quality import paired_cells, paired_difference
 
-STAGES = ("student_after", "after_phase1", "student_before")
+STAGES = ("student_after", "after_phase1", "student_before", "teacher")
 
 
 def load(side: str) -> tuple[dict, dict]:

@@ -15,7 +15,7 @@ cached teacher vectors, and the table, the machine, the versions and the command
 runs/quality/QUALITY.md by default (between markers, one section per --name; the rest of the file is left alone).
 docs/QUALITY.md summarises such reports.
 
-    python bench/quality.py                                    # configs/demo.yaml (make quality)
+    python bench/quality.py --skip_phase2 True                 # configs/demo.yaml's phase 1 (make quality)
     python bench/quality.py --config configs/mpnet_projection.yaml   # projection mode, mpnet teacher
 """
 
@@ -124,9 +124,10 @@ def run_peer(config, output_dir: Path, args: argparse.Namespace, budget_s: float
     from sentence_transformers.sentence_transformer import losses
     from torch import nn
 
+    from distill.pipeline import teacher_stage
     from distill.stages.data import load_data, passage_texts
     from distill.stages.scoring import eval_inputs, evaluate_student
-    from distill.stages.targets import embed_with_teacher
+    from distill.students import student_kind
     from distill.students.head import DistillationModel, dense_module, embedding_dim, matryoshka_dims
     from distill.students.transformer import load_student
 
@@ -134,7 +135,8 @@ def run_peer(config, output_dir: Path, args: argparse.Namespace, budget_s: float
     # the texts the toolkit trains on: a skipped phase brings none
     training = config.training
     data = load_data(config.data, training.seed, not training.skip_phase1, not training.skip_phase2)
-    teacher = embed_with_teacher(accelerator, config, data)  # cache hits: the toolkit run encoded these texts
+    described = student_kind(config.student.student_model).describe(config.student, config.teacher)
+    teacher = teacher_stage(accelerator, config, data, None, described)  # cache hits: the toolkit encoded these
     student = load_student(
         config.student.student_model, config.student.student_num_layers, config.student.max_seq_length
     )

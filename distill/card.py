@@ -96,9 +96,13 @@ def train_datasets(settings: dict, figures: dict) -> list[dict[str, Any]]:
     """One entry per trained phase: its data, the examples it trained on, its columns and its loss."""
     weights = {k: settings[k] for k in ("cosine_weight", "mse_weight") if k in settings}
     similarity = {k: settings[k] for k in ("kl_weight", "temperature") if k in settings}
+    phase2_loss = "distill.losses.similarity_kl_loss"
+    if settings.get("mnrl_weight"):  # the pairs' own labels trained phase 2 as well
+        similarity |= {k: settings[k] for k in ("mnrl_weight", "mnrl_margin") if k in settings}
+        phase2_loss += " + MultipleNegativesRankingLoss"
     phases = {
         "phase1": ("phase1_data", ["text"], "distill.losses.alignment_loss", weights),
-        "phase2": ("phase2_data", ["query", "passage"], "distill.losses.similarity_kl_loss", {**weights, **similarity}),
+        "phase2": ("phase2_data", ["query", "passage"], phase2_loss, {**weights, **similarity}),
     }
     entries = []
     for phase, figures_of_phase in (figures.get("phases") or {}).items():
@@ -199,7 +203,9 @@ def model_card(
 
     with card_data_of(sentence_transformer, card_data(settings, figures or {}, student)):
         generated = generate_model_card(sentence_transformer)
-    section = distill_section(settings, table, dims, note, matryoshka, student)
+    section = distill_section(
+        settings, table, dims, " ".join(filter(None, (note, phases_sentence(figures or {})))), matryoshka, student
+    )
     head, found, tail = generated.partition(DISTILL_SECTION_BEFORE)
     return f"{head}\n{section}{found}{tail}" if found else f"{generated.rstrip()}\n\n{section}"
 
@@ -216,6 +222,29 @@ def teacher_name(settings: dict) -> str:
     if model and vectors:
         return f"{model}, with vectors from {Path(vectors).name}"
     return str(model or (f"vectors from {Path(vectors).name}" if vectors else ""))
+
+
+TERMS = {
+    "cosine": "cosine",
+    "mse": "squared distance",
+    "similarity_kl": "the teacher's in-batch similarities (KL)",
+    "mnrl": "the pairs' own labels (MultipleNegativesRankingLoss)",
+    "reranker": "the reranker's scores",
+}
+
+
+def phases_sentence(figures: dict) -> str:
+    """What trained each phase and what it added to nDCG@10, from results.json's phases ("" without them)."""
+    said = []
+    for phase, stats in (figures.get("phases") or {}).items():
+        terms = [TERMS.get(name, name) for name in stats.get("terms") or {}]
+        if not terms:
+            continue
+        gain = (stats.get("added") or {}).get("ndcg@10")
+        added = f" ({gain:+.4f} nDCG@10)" if gain is not None else ""
+        said.append(f"phase {phase[-1]} trained on {', '.join(terms)}{added}")
+    sentence = "; ".join(said)
+    return f"{sentence[:1].upper()}{sentence[1:]}." if said else ""
 
 
 def reranker_sentence(settings: dict) -> str:

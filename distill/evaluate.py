@@ -1,11 +1,15 @@
 """Score an exported model on the benchmarks people compare.
 
-    python -m distill.evaluate MODEL [--nanobeir [DATASET]] [--mteb TASKS] [--output FILE]
+    python -m distill.evaluate MODEL [--nanobeir [DATASET]] [--mteb TASKS] [--backend onnx[:FILE]] [--output FILE]
 
 - `--nanobeir [DATASET]`: sentence-transformers' `NanoBEIREvaluator` on its 13 small BEIR datasets (or those
   `--nanobeir_datasets` names). DATASET is another copy on the Hub (`lightonai/NanoBEIR-de`) or a local folder in
   the same format; the default is sentence-transformers/NanoBEIR-en.
 - `--mteb TASKS`: MTEB tasks by name (`SciFact,STS12`), through `mteb.evaluate` (`pip install 'distill[mteb]'`).
+
+`--backend onnx` scores the folder's ONNX form (`onnx/model.onnx`, or `onnx:FILE`, e.g.
+`onnx:onnx/model_qint8_avx512_vnni.onnx`) through `distill.runtime`: ONNX Runtime and the folder's tokenizer,
+pooling, Dense and Normalize, as a CPU server runs it.
 
 The scores print as a table, and `--output FILE` keeps them as JSON. Both benchmarks read their data from the Hub:
 where it cannot be reached, the command stops with one line that says what needs it. A run scores NanoBEIR itself
@@ -23,6 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 from unittest.mock import patch
 
 from distill.errors import DistillError, first_line
+from distill.runtime import ONNX_FILE, OnnxEncoder
 from distill.stages.data import NANOBEIR_HUB
 
 if TYPE_CHECKING:
@@ -45,17 +50,53 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--nanobeir_datasets", default=None, help="NanoBEIR datasets, comma-separated (default: all 13).")
     p.add_argument("--mteb", default=None, metavar="TASKS", help="MTEB task names, comma-separated (SciFact,STS12).")
+    p.add_argument(
+        "--backend",
+        default="torch",
+        help="torch (the folder as sentence-transformers loads it), or onnx[:FILE]: its ONNX form through ONNX "
+        "Runtime (FILE in the folder, default onnx/model.onnx).",
+    )
     p.add_argument("--batch_size", type=int, default=32, help="Texts per encode batch.")
     p.add_argument("--output", default=None, help="Write the scores to this JSON file too.")
     return p
 
 
-def load_model(name: str) -> SentenceTransformer:
+def load_model(name: str, backend: str = "torch") -> SentenceTransformer:
+    """The model as the evaluators call it; with `onnx[:FILE]`, its `encode` is the folder's ONNX form's."""
     import torch
 
     from distill.hub import load_sentence_transformer, resolve_model
 
-    return load_sentence_transformer(resolve_model(name), "cuda" if torch.cuda.is_available() else "cpu")
+    kind, _, file_name = backend.partition(":")
+    if kind not in ("torch", "onnx"):
+        raise DistillError(f"--backend: expected torch or onnx[:FILE], got {backend!r}")
+    device = "cuda" if torch.cuda.is_available() and kind == "torch" else "cpu"
+    model = load_sentence_transformer(resolve_model(name), device)
+    if kind == "onnx":
+        serve_with_onnx(model, resolve_model(name), file_name or ONNX_FILE)
+    return model
+
+
+def serve_with_onnx(model: SentenceTransformer, folder: str, file_name: str) -> None:
+    """`model.encode` (which `encode_query` and `encode_document` call) answered by `OnnxEncoder`: what the
+    evaluators and MTEB score is the ONNX form's vectors. The exported folder has no prompts to apply."""
+    import numpy as np
+    import torch
+
+    encoder = OnnxEncoder(folder, file_name)
+
+    def encode(inputs: Any = None, batch_size: int = 32, convert_to_tensor: bool = False, **kwargs: Any) -> Any:
+        texts = kwargs.pop("sentences", None) if inputs is None else inputs  # sentence-transformers 5 named it so
+        single = isinstance(texts, str)
+        vectors = encoder.encode([texts] if single else list(texts), batch_size)
+        if kwargs.get("truncate_dim"):
+            vectors = vectors[:, : kwargs["truncate_dim"]]
+        if kwargs.get("normalize_embeddings"):
+            vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        out = torch.from_numpy(vectors) if convert_to_tensor else vectors
+        return out[0] if single else out
+
+    model.encode = encode
 
 
 def nanobeir_scores(
@@ -123,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     scores: dict[str, Any] = {}
     try:
-        model = load_model(args.model)
+        model = load_model(args.model, args.backend)
         if args.nanobeir:
             scores["nanobeir"] = nanobeir_scores(model, args.nanobeir, args.nanobeir_datasets, args.batch_size)
         if args.mteb:

@@ -1,5 +1,6 @@
-"""Distillation losses: embedding alignment (phase 1 and 2), the in-batch similarity KL (phase 2), and a
-reranker's scores of each query's candidates (phase 2, through sentence-transformers' losses).
+"""Distillation losses: embedding alignment (phase 1 and 2), the in-batch similarity KL (phase 2), the pairs' own
+labels (phase 2, multiple-negatives ranking) and a reranker's scores of each query's candidates (phase 2); the last
+two through sentence-transformers' losses.
 
 All functions are pure: tensors in, scalar tensors out. `dims` selects the comparison space: None compares
 the vectors as given (projection mode: projected student vs full teacher); a list of Matryoshka dims
@@ -27,6 +28,8 @@ class LossWeights:
     reranker: float = 1.0  # weight of `reranker_loss`, where a reranker scored the candidates
     reranker_loss: str = "kl_div"  # or "margin_mse"
     reranker_temperature: float = 1.0  # the reranker's scores are divided by it
+    label: float = 0.0  # weight of `label_loss`: each query's own passage against every other candidate
+    label_margin: float = 0.0  # candidates the teacher scores within this of the positive are left out
 
 
 def truncate(vectors: torch.Tensor, dim: int) -> torch.Tensor:
@@ -148,3 +151,53 @@ def reranker_loss(
         negatives = p[batch:].reshape(batch, ways - 1, -1).unbind(1)
         total = total + loss.compute_loss_from_embeddings([q, p[:batch], *negatives], scores)
     return weights.reranker * total / len(spaces)
+
+
+def false_negatives(teacher_queries: torch.Tensor, teacher_candidates: torch.Tensor, margin: float) -> torch.Tensor:
+    """(queries, candidates) True where the teacher scores a candidate at least as high as the query's positive
+    less `margin`: likelier an unlabelled positive than a negative (GISTEmbed's guide, absolute margin). Query i's
+    positive is candidate i and is never left out; an exact copy of it elsewhere in the batch always is."""
+    teacher_scores = F.normalize(teacher_queries.float(), dim=-1) @ F.normalize(teacher_candidates.float(), dim=-1).T
+    positive = teacher_scores.diagonal().unsqueeze(1)  # (queries, 1)
+    left_out = teacher_scores >= positive - margin
+    left_out.fill_diagonal_(False)
+    return left_out
+
+
+def label_loss(
+    queries: torch.Tensor,
+    candidates: torch.Tensor,
+    teacher_queries: torch.Tensor,
+    teacher_candidates: torch.Tensor,
+    weights: LossWeights,
+    dims: list[int] | None = None,
+) -> torch.Tensor:
+    """The pairs' own labels: each query's softmax over every candidate, with its own passage as the target
+    (multiple-negatives ranking, InfoNCE), through sentence-transformers' `MultipleNegativesRankingLoss`.
+
+    `candidates` are every query's positive (query i's is row i), then each query's first negatives, its second,
+    and so on ((queries x ways, dim)); the teacher's rows are laid out the same. Candidates the teacher ranks at
+    the positive's level (`false_negatives`) are left out of the softmax, so the labels do not pull against it.
+    The loss is given the global batch already gathered (phases.py keeps the gradient of the local rows) and each
+    Matryoshka width in turn, which sentence-transformers' own gather and `MatryoshkaLoss` would do from a model.
+    """
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+    from sentence_transformers.util import cos_sim
+
+    batch = queries.shape[0]
+    left_out = false_negatives(teacher_queries, teacher_candidates, weights.label_margin)
+
+    # MultipleNegativesRankingLoss scores the queries against all candidates with `similarity_fct` and takes the
+    # cross-entropy of each query's own: the teacher's verdict enters as -inf scores, as GISTEmbedLoss masks them.
+    def guided_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return cos_sim(a, b).masked_fill(left_out, float("-inf"))
+
+    scale = 1 / weights.temperature  # one temperature for phase 2's softmaxes: 0.05, MNRL's default scale of 20
+    loss = MultipleNegativesRankingLoss(None, scale=scale, similarity_fct=guided_cosine)
+    total = queries.new_zeros((), dtype=torch.float32)
+    spaces = [None] if dims is None else dims
+    for dim in spaces:
+        q = queries.float() if dim is None else truncate(queries.float(), dim)
+        c = candidates.float() if dim is None else truncate(candidates.float(), dim)
+        total = total + loss.compute_loss_from_embeddings([q, *c.split(batch)], None)
+    return weights.label * total / len(spaces)

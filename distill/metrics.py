@@ -128,6 +128,11 @@ def set_retrieval(queries: np.ndarray, corpus: np.ndarray, eval_set: EvalSet) ->
     }
 
 
+def retrieval_ndcg(queries: np.ndarray, corpus: np.ndarray, eval_set: EvalSet) -> float:
+    """`set_retrieval`'s nDCG@10 alone."""
+    return float(set_retrieval(queries, corpus, eval_set)["ndcg@10"])  # type: ignore[arg-type]
+
+
 def sts_spearman(vectors: np.ndarray, pairs: list[tuple[int, int]], scores: list[float]) -> float:
     unit = _unit(vectors)
     left, right = np.asarray(pairs).T
@@ -150,3 +155,65 @@ def score(vectors: EvalVectors, eval_set: EvalSet, teacher: EvalVectors | None =
         reference = np.concatenate([teacher.queries, teacher.corpus])
         metrics["teacher_cosine"] = float((_unit(stacked) * _unit(reference)).sum(axis=1).mean())
     return metrics
+
+
+RESCORE = 4  # a quantized index: its TOP_K x RESCORE best by the stored codes are rescored with the float query
+
+
+def ranked(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`top_hits` on a score matrix already computed: each query's TOP_K best rows, best first, ties in row order."""
+    ordered = torch.sort(torch.from_numpy(np.ascontiguousarray(scores, dtype=np.float32)), dim=1, descending=True)
+    k = min(TOP_K, scores.shape[1])
+    return ordered.values[:, :k].numpy(), ordered.indices[:, :k].numpy()
+
+
+def rescored(queries: np.ndarray, stored: np.ndarray, search: np.ndarray) -> np.ndarray:
+    """sentence-transformers' rescoring: each query's TOP_K x RESCORE best by `search` (what the index ranks by),
+    scored again as the float query against the `stored` codes; every other row below them all."""
+    shortlist = np.argsort(-search, axis=1, kind="stable")[:, : TOP_K * RESCORE]
+    scores = np.full(search.shape, -np.inf, dtype=np.float32)
+    for row, candidates in enumerate(shortlist):
+        scores[row, candidates] = queries[row] @ stored[candidates].T
+    return scores
+
+
+def int8_scores(queries: np.ndarray, corpus: np.ndarray) -> np.ndarray:
+    """An int8 index: both sides quantized with the corpus's per-dimension ranges (sentence-transformers'
+    `quantize_embeddings`) and searched by their integer dot product, the shortlist rescored."""
+    from sentence_transformers.util import quantize_embeddings
+
+    corpus8 = quantize_embeddings(corpus, "int8", calibration_embeddings=corpus).astype(np.int32)
+    queries8 = quantize_embeddings(queries, "int8", calibration_embeddings=corpus).astype(np.int32)
+    return rescored(queries, corpus8.astype(np.float32), (queries8 @ corpus8.T).astype(np.float32))
+
+
+def binary_scores(queries: np.ndarray, corpus: np.ndarray) -> np.ndarray:
+    """A binary index: the corpus's signs packed to bits, searched by Hamming distance to the query's signs, the
+    shortlist rescored against the +-1 bits (sentence-transformers' binary search recipe)."""
+    from sentence_transformers.util import quantize_embeddings
+
+    signs = np.unpackbits(quantize_embeddings(corpus, "ubinary"), axis=1)[:, : corpus.shape[1]]  # (corpus, dim)
+    query_signs = (queries > 0).astype(np.int32)
+    hamming = query_signs @ (1 - signs.T) + (1 - query_signs) @ signs.T  # (queries, corpus)
+    return rescored(queries, 2 * signs.astype(np.float32) - 1, -hamming.astype(np.float32))
+
+
+INDEX_PRECISIONS = {"int8": (int8_scores, 1.0), "binary": (binary_scores, 1 / 8)}  # scores, bytes per dimension
+
+
+def index_precision(queries: np.ndarray, corpus: np.ndarray, eval_set: EvalSet) -> dict[str, dict[str, float]]:
+    """nDCG@10 and bytes per text with the corpus stored as float32, int8 and binary (with rescoring), as a vector
+    database would hold the student's vectors; each dataset of a benchmark ranked in its own corpus."""
+    spans: list[tuple[range, range, Relevant]] = [(g.queries, g.corpus, g.relevant) for g in eval_set.groups or []]
+    spans = spans or [(range(len(queries)), range(len(corpus)), eval_set.relevant)]
+    dim = corpus.shape[1]
+    figures = {"float32": {"bytes_per_text": 4.0 * dim, "ndcg@10": retrieval_ndcg(queries, corpus, eval_set)}}
+    for name, (score, per_dim) in INDEX_PRECISIONS.items():
+        values = []
+        for q, c, relevant in spans:
+            group_corpus = corpus[c.start : c.stop]
+            values.append(
+                hits_metrics(*ranked(score(queries[q.start : q.stop], group_corpus)), relevant, len(c))["ndcg@10"]
+            )
+        figures[name] = {"bytes_per_text": per_dim * dim, "ndcg@10": float(np.mean(values))}
+    return figures

@@ -4,7 +4,8 @@
 - `SimilarityPhase` (phase 2): (query, passage) pairs; the teacher's in-batch query-passage similarities are
   distilled (KL over softmaxed scores, `--kl_weight`), with a cross-batch passage memory and alignment of both
   sides (none where `--phase1_teacher_model` gives phase 1 another target than the teacher: the student is then
-  in that model's space, not the teacher's).
+  in that model's space, not the teacher's); the pairs' own labels rank each query's passage first among the
+  global batch's (`--mnrl_weight`), leaving out those the teacher ranks as high.
 
 The loop (distill/loop.py) calls `phase.loss` on each batch and `phase.step_taken` after each optimizer step; it
 never asks which phase it runs. Both losses see the GLOBAL batch: embeddings are gathered from every process
@@ -38,7 +39,7 @@ from distill.batching import (
 )
 from distill.config.schema import LossConfig, PerformanceConfig, PhaseConfig, TrainingConfig
 from distill.errors import DistillError
-from distill.losses import LossWeights, alignment_loss, reranker_loss, similarity_kl_loss
+from distill.losses import LossWeights, alignment_loss, label_loss, reranker_loss, similarity_kl_loss
 from distill.stages.data import DistillData, passage_texts
 from distill.students import kind_of
 from distill.tokens import cached_tokens
@@ -128,6 +129,8 @@ def phase_settings(
             reranker=losses.reranker_weight,
             reranker_loss=losses.reranker_loss,
             reranker_temperature=losses.reranker_temperature,
+            label=losses.mnrl_weight,
+            label_margin=losses.mnrl_margin,
         ),
         matryoshka_dims=None,
         kl_memory_steps=losses.kl_memory_steps,
@@ -142,6 +145,20 @@ def gather_with_grad(accelerator: Accelerator, local: torch.Tensor) -> torch.Ten
     chunks = list(accelerator.gather(local.detach().contiguous()).split(local.shape[0]))
     chunks[accelerator.process_index] = local
     return torch.cat(chunks)
+
+
+def by_candidate(passages: torch.Tensor, world: int, per_rank: int) -> torch.Tensor:
+    """Gathered phase-2 passages reordered for the label loss: every query's positive (in the gathered queries'
+    order), then every query's first negative, then its second, and so on.
+
+    Gathered, they come rank by rank, each rank's positives first, then its queries' negatives query by query
+    (`Phase2Batches`): (world x per_rank x ways, dim) either way."""
+    dim = passages.shape[-1]
+    by_rank = passages.reshape(world, -1, dim)  # (world, per_rank x ways, dim)
+    ways = by_rank.shape[1] // per_rank
+    positives = by_rank[:, :per_rank].reshape(-1, dim)  # (world x per_rank, dim)
+    negatives = by_rank[:, per_rank:].reshape(world, per_rank, ways - 1, dim).permute(2, 0, 1, 3)
+    return torch.cat([positives, negatives.reshape(-1, dim)])
 
 
 class Phase:
@@ -173,6 +190,11 @@ class Phase:
     def rows(self, batch: dict) -> int:
         """The samples of this process in `batch`."""
         raise NotImplementedError
+
+    def terms(self) -> dict[str, float]:
+        """The loss terms this phase trains with (those of weight above 0), by name, with their weights."""
+        weights = self.settings.weights
+        return {name: w for name, w in (("cosine", weights.cosine), ("mse", weights.mse)) if w}
 
     def to_device(self, device: torch.device) -> None:
         """Move what the loss uses on every batch to the training device, once."""
@@ -254,6 +276,7 @@ class SimilarityPhase(Phase):
     def __init__(self, settings: PhaseSettings, world: int):
         super().__init__(settings, world)
         self.memory = PassageMemory(self.settings.kl_memory_steps)
+        self.reranker = 0.0  # the reranker's weight, once its scores are in the batches
 
     def samples(self, data: DistillData) -> int:
         return len(data.phase2)
@@ -266,6 +289,7 @@ class SimilarityPhase(Phase):
         collate = Phase2Batches(
             queries, passage_tokens, rows, teacher.queries, teacher.passages, chunks, teacher.scores
         )
+        self.reranker = self.settings.weights.reranker if teacher.scores is not None else 0.0
         lengths = queries.lengths + passage_tokens.lengths[rows].sum(axis=1)
         self._warn_truncated(queries.truncated + passage_tokens.truncated, student.max_seq_length)
         global_batch = self.batching.batch_size * self.world
@@ -299,10 +323,29 @@ class SimilarityPhase(Phase):
         ranking = alignment.new_zeros(())
         if "reranker_scores" in batch:
             ranking = reranker_loss(queries, passages, batch["reranker_scores"], weights, dims)
-        # DDP averages gradients over ranks; the global similarity loss is computed on every rank and each
-        # rank's gradient covers only its own rows, so scaling by the world size makes the average the sum.
-        loss = alignment + ranking + accelerator.num_processes * similarity
-        return loss, (alignment + ranking + similarity).detach()
+        labels = alignment.new_zeros(())
+        if weights.label:
+            world, per_rank = accelerator.num_processes, len(queries)
+            labels = label_loss(
+                student_queries,
+                by_candidate(student_passages, world, per_rank),
+                teacher_queries,
+                by_candidate(teacher_passages, world, per_rank),
+                weights,
+                dims,
+            )
+        # DDP averages gradients over ranks; the global similarity and label losses are computed on every rank and
+        # each rank's gradient covers only its own rows, so scaling by the world size makes the average the sum.
+        loss = alignment + ranking + accelerator.num_processes * (similarity + labels)
+        return loss, (alignment + ranking + similarity + labels).detach()
+
+    def terms(self) -> dict[str, float]:
+        weights = self.settings.weights
+        return super().terms() | {
+            name: w
+            for name, w in (("similarity_kl", weights.kl), ("mnrl", weights.label), ("reranker", self.reranker))
+            if w
+        }
 
     def step_taken(self) -> None:
         self.memory.commit()

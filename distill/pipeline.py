@@ -33,7 +33,7 @@ from distill.checkpoint import PHASES as PHASE_ORDER
 from distill.checkpoint import Resume, TrainingState, resume_requested
 from distill.config.flags import to_flat_dict
 from distill.config.schema import Config
-from distill.distributed import machine_share, main_decides, make_accelerator
+from distill.distributed import machine_share, main_decides, make_accelerator, on_main_process
 from distill.errors import OutOfMemory
 from distill.files import folder_bytes
 from distill.loop import CheckpointSettings, train_phase, training_memory_message
@@ -43,9 +43,11 @@ from distill.prepared import prepared_data
 from distill.report import check_output_dir, prepare_output_dir, results_table, write_results
 from distill.results import PhaseFigures, RunResults
 from distill.stages.candidates import check_candidates, score_candidates
-from distill.stages.cost import CostTexts, Efficiency, cost_table, measure_student, trade_off_line
+from distill.stages.cost import CostTexts, Efficiency, measure_student
 from distill.stages.data import DistillData
 from distill.stages.export import deployable_model, export_models, push_to_hub
+from distill.stages.forms import forms_to_dict, measure_forms, remove, staging_folder
+from distill.stages.forms import wanted as onnx_wanted
 from distill.stages.initialise import (
     PHASE1_TEACHER,
     TEACHER,
@@ -63,6 +65,7 @@ from distill.stages.scoring import (
     evaluate_teacher,
 )
 from distill.stages.targets import CacheSettings, TeacherVectors, embed_with_teacher
+from distill.stages.tradeoff import cost_table, trade_off_line
 from distill.students import kind_of, student_kind
 from distill.students.head import DistillationModel
 from distill.students.kinds import LoadContext, StudentDescription
@@ -90,6 +93,7 @@ def run(config: Config) -> RunResults:
         if config.reranker.reranker_model is not None:
             check_candidates(data, config.data.mine_hard_negatives)
     costs = CostTexts.from_data(data, config.output.efficiency_texts, config.training.batch_size, config.training.seed)
+    onnx = onnx_wanted(config.output.export_onnx, accelerator.device)  # `true` without the extra: one line, now
     with stage("teacher"):  # the teacher's own cost is measured while it is loaded: it is never loaded twice
         teacher = teacher_stage(accelerator, config, data, costs, student)
     with stage("student"):
@@ -118,8 +122,9 @@ def run(config: Config) -> RunResults:
             record_phase(state, phase, teacher, model, evaluations, phase.samples(data), final=phase is phases[-1])
     with stage("cost"):
         efficiency = cost_stage(accelerator, config, model, teacher, costs)
+        forms = forms_stage(accelerator, config, model, data, costs, efficiency, state.results, onnx)
     with stage("export"):
-        results = export_stage(accelerator, config, model, state, teacher, efficiency, student)
+        results = export_stage(accelerator, config, model, state, teacher, efficiency, student, forms)
         path = write_results(accelerator, output_dir, results)
     exported = (results.exported or {}).get("model")
     if config.output.push_to_hub and exported:  # after results.json: an upload never costs the results
@@ -317,13 +322,26 @@ def record_phase(
         final_loss=state.losses[-1] if state.losses else None,
         losses=list(state.losses),
         examples=examples,
+        terms=phase.terms(),
     )
     if evaluations is not None:
         metrics = evaluations.final(model, state.optimizer_steps)
+        before = results.after_phase1 if phase.name == "phase2" else results.student_before
+        results.phases[phase.name].added = added(before, metrics)
         if final:
             results.student_after = metrics
         else:
             results.after_phase1 = metrics
+
+
+ADDED = ("ndcg@10", "mrr@10", "sts_spearman")  # the figures whose change a phase's record states
+
+
+def added(before: dict | None, after: dict) -> dict[str, float] | None:
+    """What a phase changed of the evaluation's headline figures (after - before), where both have them."""
+    if before is None:
+        return None
+    return {k: round(after[k] - before[k], 4) for k in ADDED if isinstance(before.get(k), float) and k in after}
 
 
 def cost_stage(
@@ -342,6 +360,35 @@ def cost_stage(
     return measure_student(accelerator, deployable, teacher.cost, costs, dtype, teacher.cost_note, runtime)
 
 
+def forms_stage(
+    accelerator: Accelerator,
+    config: Config,
+    model: DistillationModel,
+    data: DistillData,
+    costs: CostTexts | None,
+    efficiency: Efficiency | None,
+    results: RunResults,
+    onnx: bool,
+) -> Path | None:
+    """The student's served forms (ONNX float32 and int8, where its kind has them and the run exports), measured on
+    the main process beside its cost; returns the folder of the forms for the export stage, or None."""
+    if efficiency is None or costs is None:
+        return None
+    deployable = deployable_model(model)
+    exported = config.output.save_to_artifacts or config.output.push_to_hub
+    transformer = kind_of(deployable).onnx_transformer(deployable) if onnx and exported else None
+    if transformer is None:  # not asked for, not exported, or a kind without an ONNX form (a static table)
+        return None
+    folder = staging_folder(config.output.artifacts_dir)
+    pytorch = (efficiency.student.texts_per_second, (results.student_after or {}).get("ndcg@10"))
+
+    def measured() -> list[dict]:
+        return forms_to_dict(measure_forms(deployable, transformer, folder, costs, data.evaluation, pytorch))
+
+    efficiency.forms = main_decides(accelerator, measured)
+    return folder
+
+
 def export_stage(
     accelerator: Accelerator,
     config: Config,
@@ -350,6 +397,7 @@ def export_stage(
     teacher: TeacherVectors,
     efficiency: Efficiency | None,
     student: StudentDescription,
+    forms: Path | None = None,
 ) -> RunResults:
     """The run's results, complete, and the exported model folder(s) with their card (with --save_to_artifacts)."""
     results = state.results
@@ -366,11 +414,12 @@ def export_stage(
         table = results_table(figures) if evaluated else NO_EVALUATION
         card = "\n\n".join(filter(None, [table, trade_off_line(figures), cost_table(figures)]))
         folder = config.output.artifacts_dir
-        exported = export_models(accelerator, model, folder, results.config, card, figures, student)
+        exported = export_models(accelerator, model, folder, results.config, card, figures, student, forms)
         results.exported = exported
         if efficiency is not None:
             efficiency.exported_bytes = main_decides(accelerator, lambda: folder_bytes(exported["model"]))
             results.efficiency = efficiency.to_dict()
+    on_main_process(accelerator, lambda: remove(forms))
     return results
 
 

@@ -18,7 +18,7 @@ from distill.distributed import main_decides, on_main_process
 from distill.errors import DistillError
 from distill.files import write_atomic, write_json_atomic
 from distill.results import ROWS, RunResults
-from distill.stages.cost import cost_table, trade_off_line
+from distill.stages.tradeoff import cost_table, trade_off_line
 
 logger = logging.getLogger(__name__)
 
@@ -197,9 +197,14 @@ def report_markdown(results: dict, image_name: str | None = "report.png") -> str
     lines += ["", "## Phases", ""]
     phases = results.get("phases") or {}
     if phases:
-        lines += ["| phase | " + " | ".join(PHASE_FIELDS) + " |", "|---|" + "---|" * len(PHASE_FIELDS)]
+        header = [*PHASE_FIELDS, "loss terms (weight)", "nDCG@10 added"]
+        lines += ["| phase | " + " | ".join(header) + " |", "|---|" + "---|" * len(header)]
         for phase, stats in phases.items():
-            lines.append(f"| {phase} | " + " | ".join(_cell(stats.get(field)) for field in PHASE_FIELDS) + " |")
+            cells = [_cell(stats.get(field)) for field in PHASE_FIELDS]
+            terms = ", ".join(f"{name} {weight:g}" for name, weight in (stats.get("terms") or {}).items())
+            gain = (stats.get("added") or {}).get("ndcg@10")
+            cells += [terms, "" if gain is None else f"{gain:+.4f}"]
+            lines.append(f"| {phase} | " + " | ".join(cells) + " |")
     else:
         lines.append("(no training phase ran)")
     return "\n".join(lines) + "\n"
@@ -375,6 +380,9 @@ def _plot_matryoshka(axes: Axes, results: dict) -> None:
     axes.legend(loc="lower right", fontsize=9)
 
 
+FORM_COLOR = "C4"  # the served forms (ONNX float32, int8) on the quality-speed plot
+
+
 def _plot_trade_off(axes: Axes, results: dict) -> None:
     """nDCG@10 against texts/s on the measuring device: what the student keeps, and what it gains in speed."""
     axes.set_title("(d) quality against encoding speed")
@@ -393,12 +401,17 @@ def _plot_trade_off(axes: Axes, results: dict) -> None:
         for dim, score in sorted(((int(d), v) for d, v in widths.items()), reverse=True):
             if dim != student["dim"]:
                 points.append((f"first {dim} dims", student["texts_per_second"], score, "C2"))
+        for form in efficiency.get("forms") or []:  # the served forms: ONNX float32 and int8
+            if form.get("ndcg") is not None:
+                points.append((form["name"], form["texts_per_second"], form["ndcg"], FORM_COLOR))
     if not points:
         _no_data(axes, "no cost measured (--efficiency_texts 0)" if not student else "no evaluation set")
         return
     for label, speed, score, color in points:
         axes.scatter([speed], [score], s=60, color=color, zorder=3)
-        axes.annotate(f"{label} ({score:.3f})", (speed, score), xytext=(7, -3), textcoords="offset points", fontsize=9)
+        above = color == FORM_COLOR  # a served form sits on or beside the PyTorch student: its label goes over it
+        offset = (7, 8) if above else (7, -3)
+        axes.annotate(f"{label} ({score:.3f})", (speed, score), xytext=offset, textcoords="offset points", fontsize=9)
     speeds = [speed for _, speed, _, _ in points]
     axes.set_xlim(0, max(speeds) * 1.6)  # room for the labels at the right of the fastest points
     axes.margins(y=0.15)

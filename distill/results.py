@@ -22,6 +22,8 @@ class PhaseFigures:
     final_loss: float | None
     losses: list[float]
     examples: int | None = None  # the texts or pairs the phase trains on (each epoch)
+    terms: dict[str, float] | None = None  # the loss terms that trained it, by name, with their weights
+    added: dict[str, float] | None = None  # what it changed of the evaluation's figures (nDCG@10, STS, ...)
 
 
 @dataclass

@@ -297,6 +297,7 @@ def tiny_run_flags(tiny_models: dict[str, Path], tiny_data: dict[str, Path], out
         "artifacts_dir": out / "artifacts",
         "teacher_cache_dir": out / "cache",
         "seed": 7,
+        "export_onnx": "false",  # the ONNX forms: tests/test_forms.py, and the MiniLM run in tests/test_train.py
     }
     flags.update(overrides)
     argv = []

@@ -7,7 +7,15 @@ from pathlib import Path
 import yaml
 from sentence_transformers import SentenceTransformer
 
-from distill.card import card_scores, distill_section, hub_dataset_id, model_card, student_card_header
+from distill.card import (
+    card_scores,
+    distill_section,
+    hub_dataset_id,
+    model_card,
+    phases_sentence,
+    student_card_header,
+    train_datasets,
+)
 from distill.students.kinds import StudentDescription
 
 RESULTS = {
@@ -93,3 +101,23 @@ def test_distill_section_says_what_the_folder_holds() -> None:
     # a projection to the student's own width still maps into the teacher's space
     assert "(48-d, projected to the teacher's 48-d)." in distill_section(settings, "", {"student": 48, "output": 48})
     assert "projected" not in distill_section(settings, "", {"student": 32})
+
+
+def test_the_card_says_what_trained_each_phase_and_what_it_added() -> None:
+    figures = {
+        "phases": {
+            "phase1": {"terms": {"cosine": 1.0, "mse": 1.0}, "added": {"ndcg@10": 0.0607}},
+            "phase2": {"terms": {"similarity_kl": 1.0, "mnrl": 1.0}, "added": {"ndcg@10": 0.0251}},
+        }
+    }
+    assert phases_sentence(figures) == (
+        "Phase 1 trained on cosine, squared distance (+0.0607 nDCG@10); phase 2 trained on the teacher's in-batch "
+        "similarities (KL), the pairs' own labels (MultipleNegativesRankingLoss) (+0.0251 nDCG@10)."
+    )
+    assert phases_sentence({}) == ""
+    entries = train_datasets({**SETTINGS, "mnrl_weight": 1.0, "mnrl_margin": 0.0}, RESULTS)
+    assert entries[1]["loss"]["fullname"] == "distill.losses.similarity_kl_loss + MultipleNegativesRankingLoss"
+    assert '"mnrl_margin": 0.0' in entries[1]["loss"]["config_code"]
+    assert train_datasets({**SETTINGS, "mnrl_weight": 0.0}, RESULTS)[1]["loss"]["fullname"] == (
+        "distill.losses.similarity_kl_loss"
+    )

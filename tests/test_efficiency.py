@@ -20,15 +20,14 @@ from distill.stages.cost import (
     Efficiency,
     ModelCost,
     TeacherCosts,
-    cost_table,
     device_label,
     machine_gflops,
     measure,
     same_load,
-    trade_off_line,
     weights_bytes,
 )
 from distill.stages.data import DistillData, EvalSet, Pairs
+from distill.stages.tradeoff import cost_table, trade_off_line
 
 GPU = torch.device("cuda")  # a device off the CPU: no load probe (nothing runs on it)
 

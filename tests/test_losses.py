@@ -12,9 +12,12 @@ import torch.nn.functional as F
 from distill.losses import (
     LossWeights,
     alignment_loss,
+    false_negatives,
+    label_loss,
     similarity_kl_loss,
     truncate,
 )
+from distill.phases import by_candidate
 
 
 def unit(rows: list[list[float]]) -> torch.Tensor:
@@ -219,3 +222,81 @@ def test_phase_2_distils_similarities_alone_when_phase_1_has_its_own_target() ->
     phase1, phase2 = (p.weights for p in training_phases(own, 1))
     assert (phase1.cosine, phase1.mse) == (0.5, 2.0)  # phase 1 aligns the student to its own target
     assert (phase2.cosine, phase2.mse, phase2.kl) == (0.0, 0.0, 1.0)  # no shared space with the teacher: KL alone
+
+
+# ---------------------------------------------------------------- the pairs' labels
+
+
+def test_label_loss_is_the_cross_entropy_of_each_querys_own_passage() -> None:
+    """Three queries, their positives and one negative each: -log softmax(20 cos)[own passage], averaged."""
+    queries, candidates = random_unit(3, 8, seed=1), random_unit(6, 8, seed=2)
+    # a teacher that ranks each query's positive far above everything else leaves nothing out
+    teacher_queries, teacher_candidates = torch.eye(3, 8), torch.cat([torch.eye(3, 8), -torch.eye(3, 8)])
+    weights = LossWeights(label=0.5, temperature=0.05)
+    loss = label_loss(queries, candidates, teacher_queries, teacher_candidates, weights)
+    expected = F.cross_entropy(20.0 * queries @ candidates.T, torch.arange(3))
+    assert loss.item() == pytest.approx(0.5 * expected.item(), rel=1e-5)
+
+
+def test_the_teacher_leaves_out_candidates_it_ranks_at_the_positives_level() -> None:
+    """A candidate the teacher scores above the positive (or within --mnrl_margin of it) is no negative; an exact
+    copy of the positive never is one; the positive itself is always kept."""
+    teacher_queries = unit([[1, 0, 0], [0, 1, 0]])
+    teacher_candidates = unit([[1, 0.5, 0], [0, 1, 0], [1, 0.1, 0], [0, 1, 0], [1, 0.6, 0]])
+    left_out = false_negatives(teacher_queries, teacher_candidates, margin=0.0)
+    # query 0's positive (col 0) has cosine 0.894; col 2 (0.995) and col 4 (0.857 < 0.894) are its other candidates
+    assert left_out[0].tolist() == [False, False, True, False, False]
+    # query 1's positive (col 1, cosine 1) has an exact copy in col 3
+    assert left_out[1].tolist() == [False, False, False, True, False]
+    assert false_negatives(teacher_queries, teacher_candidates, margin=0.05)[0].tolist() == [
+        False,
+        False,
+        True,
+        False,
+        True,
+    ]
+
+
+def test_a_left_out_candidate_is_out_of_that_querys_softmax_only() -> None:
+    """Candidate 2 copies query 0's positive for the teacher: it leaves query 0's softmax (no gradient through it)
+    and stays an in-batch negative of query 1."""
+    queries, candidates = random_unit(2, 8, seed=3), random_unit(4, 8, seed=4)
+    teacher_queries = unit([[1, 0, 0, 0], [0, 1, 0, 0]])
+    teacher_candidates = unit([[1, 0, 0, 0], [0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 1, 0]])
+    q, c = queries.clone().requires_grad_(), candidates.clone().requires_grad_()
+    loss = label_loss(q, c, teacher_queries, teacher_candidates, LossWeights(label=1.0))
+    loss.backward()
+    q_ref, c_ref = queries.clone().requires_grad_(), candidates.clone().requires_grad_()
+    scores = 20.0 * F.normalize(q_ref, dim=-1) @ F.normalize(c_ref, dim=-1).T
+    reference = F.cross_entropy(
+        scores.masked_fill(torch.tensor([[0, 0, 1, 0], [0, 0, 0, 0]]).bool(), -math.inf), torch.arange(2)
+    )
+    reference.backward()
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-5)
+    assert torch.allclose(c.grad, c_ref.grad, atol=1e-6) and torch.allclose(q.grad, q_ref.grad, atol=1e-6)
+    assert c.grad[2].abs().max().item() > 0  # query 1 still pushes it away
+
+
+def test_label_loss_averages_the_matryoshka_widths() -> None:
+    queries, candidates = random_unit(4, 16, seed=5), random_unit(8, 16, seed=6)
+    teacher_queries, teacher_candidates = torch.eye(4, 16), torch.cat([torch.eye(4, 16), -torch.eye(4, 16)])
+    weights = LossWeights(label=1.0)
+    each = [
+        label_loss(truncate(queries, d), truncate(candidates, d), teacher_queries, teacher_candidates, weights)
+        for d in (16, 8)
+    ]
+    both = label_loss(queries, candidates, teacher_queries, teacher_candidates, weights, dims=[16, 8])
+    assert both.item() == pytest.approx(sum(e.item() for e in each) / 2, rel=1e-6)
+
+
+def test_gathered_passages_are_laid_out_positives_first_then_each_negative_slot() -> None:
+    """Two ranks of two queries with two negatives each: rank-major rows become positives, first negatives, second."""
+    per_rank, ways, world = 2, 3, 2
+    rows = []
+    for rank in range(world):
+        rows += [f"r{rank}q{q}pos" for q in range(per_rank)]
+        rows += [f"r{rank}q{q}neg{n}" for q in range(per_rank) for n in range(ways - 1)]
+    passages = torch.arange(len(rows), dtype=torch.float32).unsqueeze(1)
+    order = [rows[int(i)] for i in by_candidate(passages, world, per_rank).squeeze(1).tolist()]
+    queries = ["r0q0", "r0q1", "r1q0", "r1q1"]
+    assert order == [f"{q}pos" for q in queries] + [f"{q}neg0" for q in queries] + [f"{q}neg1" for q in queries]

@@ -26,8 +26,8 @@ from conftest import build_tiny_decoder, reset_accelerate, shared_folder, tiny_r
 from distill.allocator import find_tcmalloc, heap_allocator
 from distill.config import load_config
 from distill.errors import DistillError
-from distill.stages.cost import trade_off_line
 from distill.stages.data import load_data
+from distill.stages.tradeoff import trade_off_line
 from distill.train import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -325,8 +325,6 @@ def test_shipped_minilm_on_embedded_data_gets_closer_to_the_teacher(tmp_path):
         str(tmp_path / "cache"),
         "--max_samples_phase1",
         "384",
-        "--skip_phase2",  # the demo runs phase 1 only; this test runs both phases on the real model
-        "False",
         "--max_samples_phase2",
         "256",
         "--phase2_epochs",
@@ -341,6 +339,16 @@ def test_shipped_minilm_on_embedded_data_gets_closer_to_the_teacher(tmp_path):
     assert main(flags) == 0
     results = results_of(out)
     assert set(results["phases"]) == {"phase1", "phase2"}
+    # results.json names the terms that trained each phase and what each phase added
+    phases = results["phases"]
+    assert phases["phase1"]["terms"] == {"cosine": 1.0, "mse": 1.0}
+    assert phases["phase2"]["terms"] == {"cosine": 1.0, "mse": 1.0, "similarity_kl": 1.0, "mnrl": 4.0}
+    for phase, before, after in (
+        ("phase1", "student_before", "after_phase1"),
+        ("phase2", "after_phase1", "student_after"),
+    ):
+        gain = results[after]["ndcg@10"] - results[before]["ndcg@10"]
+        assert phases[phase]["added"]["ndcg@10"] == pytest.approx(gain, abs=1e-4)
     # Training raises the student's retrieval score. With these flags, over seeds 42, 1 and 2 (each seed holds out
     # its own articles), nDCG@10 rose by 0.0140, 0.0045 and 0.0309 on a 2-core CPU; the margin is below the least.
     assert results["student_after"]["ndcg@10"] >= results["student_before"]["ndcg@10"] + 0.002
@@ -351,6 +359,13 @@ def test_shipped_minilm_on_embedded_data_gets_closer_to_the_teacher(tmp_path):
     assert {"ndcg@10", "sts_spearman"} <= set(results["teacher"]) and results["teacher"]["ndcg@10"] > 0.3
     exported = SentenceTransformer(str(out / "artifacts" / "model"), device="cpu")
     assert len(exported[0].auto_model.encoder.layer) == 3
+    # a CPU run with the onnx extra exports the ONNX forms beside the weights, each measured in the run
+    efficiency = results["efficiency"]
+    assert [form["name"] for form in efficiency["forms"]] == ["ONNX float32", "ONNX int8"]
+    assert all((out / "artifacts" / "model" / form["file"]).is_file() for form in efficiency["forms"])
+    assert efficiency["forms"][0]["share"] == pytest.approx(1.0, abs=0.002)  # float32: the student's own ranking
+    assert set(results["student_after"]["index_ndcg@10"]) == {"int8", "binary"}  # the vectors in an index
+    assert not [p for p in (out / "artifacts").iterdir() if p.name.startswith(".forms-")]  # no staging left behind
     # Lee STS comes with the embedded set: results.json's STS is what sentence-transformers' evaluator says
     assert_sentence_transformers_evaluators_agree(flags, exported, results["student_after"])
 
@@ -380,7 +395,8 @@ def test_two_processes_match_one_process_with_twice_the_batch(
 ):
     """2 processes x batch 4 follow 1 process x batch 8 (losses, weights), both phases, every loss, both modes.
 
-    Phase 2 gathers every process's vectors with their gradient and keeps a cross-batch passage memory; in
+    Phase 2 gathers every process's vectors with their gradient and keeps a cross-batch passage memory; its label
+    loss ranks each query's passage among the global batch's (and, with a reranker, their mined negatives); in
     Matryoshka mode the teacher basis computed on the main process reaches every process (two bases: phase 1 aligns
     to another model, `--phase1_teacher_model`, and phase 2 distils the teacher's similarities). The Matryoshka runs
     accumulate 2 batches a step, so DDP's skipped all-reduces, the gathers between them and the memory's one entry
@@ -399,6 +415,7 @@ def test_two_processes_match_one_process_with_twice_the_batch(
         "teacher_cache_dir": tmp_path / "cache",
         "save_to_artifacts": True,
         "kl_memory_steps": 2,
+        "mnrl_weight": 1.0,
         "use_projection": use_projection,
         "gradient_accumulation_steps": accumulation,
     }

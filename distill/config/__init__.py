@@ -4,6 +4,7 @@ The YAML file uses the flat flag names, so the resolved config written next to t
 ``--config``. Unknown keys name the closest valid one; all validation problems are reported together.
 
 - schema.py: the sections and their fields (defaults, help, checks, scopes);
+- constraints.py: what a field accepts (`Check`) and where an option applies (`Scope`);
 - flags.py: the flat flag names, conversion of values, --help and docs/options.md;
 - rules.py: what a valid config is: each field's checks, the options that apply only to a kind or a mode, and the
   settings that contradict each other.

@@ -19,7 +19,8 @@ from typing import Any
 
 import yaml
 
-from distill.config.schema import EMPTY_IS_A_VALUE, Check, Config, Scope
+from distill.config.constraints import Check, Scope
+from distill.config.schema import EMPTY_IS_A_VALUE, Config
 from distill.errors import DistillError
 from distill.files import write_atomic
 

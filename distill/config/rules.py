@@ -12,8 +12,9 @@ from __future__ import annotations
 import typing
 from pathlib import Path
 
+from distill.config.constraints import Scope
 from distill.config.flags import FLAGS, LEAVES
-from distill.config.schema import Config, Scope
+from distill.config.schema import Config
 
 
 class Contradiction(typing.NamedTuple):

@@ -9,53 +9,34 @@ from __future__ import annotations
 
 import math
 import os
-import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distill.config.constraints import (
+    AT_LEAST_ONE,
+    ENV_NAME,
+    FOLDER,
+    FRACTION,
+    HUB_REPO,
+    MATRYOSHKA_MODE,
+    MODEL_NAME,
+    NON_NEGATIVE,
+    OFF_OR_POSITIVE,
+    OPTIONAL_POSITIVE,
+    POSITIVE,
+    RERANKER,
+    Check,
+    Scope,
+)
+
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
 LR_SCALINGS = ("none", "linear", "sqrt")
 DDP_COMM_HOOKS = ("none", "fp16", "bf16")
+EXPORT_ONNX = ("auto", "true", "false")
 TEACHER_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Flags whose empty value is a value ("no prompt"), not "unset": unset is None, the teacher's own prompt.
 EMPTY_IS_A_VALUE = ("teacher_query_prompt", "teacher_document_prompt")
-
-
-@dataclass(frozen=True)
-class Check:
-    """A constraint on one field's value: `accepts(value)`, else "<flag>: expected <expected>, got <value>".
-
-    None passes every check: an optional field left unset.
-    """
-
-    accepts: Callable[[Any], bool]
-    expected: str
-    message: str = "{flag}: expected {expected}, got {value}"
-
-    def problem(self, flag: str, value: Any) -> str | None:
-        if value is None or self.accepts(value):
-            return None
-        return self.message.format(flag=flag, expected=self.expected, value=value)
-
-
-POSITIVE = Check(lambda v: v > 0, "a number greater than 0")
-AT_LEAST_ONE = Check(lambda v: v >= 1, "a positive integer")
-OPTIONAL_POSITIVE = Check(lambda v: v >= 1, "a positive integer or nothing")
-OFF_OR_POSITIVE = Check(lambda v: v >= 0, "0 (off) or a positive integer")
-NON_NEGATIVE = Check(lambda v: v >= 0, "a number >= 0")
-FRACTION = Check(lambda v: 0 <= v < 1, "a fraction in [0, 1)")
-# an empty name is the current folder to pathlib: a teacher '' would hash everything under it, then fail
-EMPTY = "{flag}: expected {expected}, got an empty value; pass --{flag} (or drop it for the default)"
-MODEL_NAME = Check(lambda v: bool(str(v).strip()), "a Hub name or a model folder", EMPTY)
-ENV_NAME = Check(lambda v: re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(v)) is not None, "an environment variable name")
-FOLDER = Check(lambda v: bool(str(v).strip()), "a folder", EMPTY)
-# the Hub's own rule for a repository id: NAME or OWNER/NAME, letters, digits, '-', '_', '.'
-HUB_REPO = Check(
-    lambda v: re.fullmatch(r"[\w.-]{1,96}(/[\w.-]{1,96})?", str(v)) is not None and ".." not in str(v),
-    "a Hub repository id like your-name/my-student",
-)
 
 
 def _is_positive_number(text: str) -> bool:
@@ -65,24 +46,6 @@ def _is_positive_number(text: str) -> bool:
         return False
 
 
-@dataclass(frozen=True)
-class Scope:
-    """Where an option applies, when that is not everywhere: `what` (a mode, a kind of student), `how` to choose
-    it, and the flags that decide. An option set outside its scope is one problem, said in one form
-    (distill/config/rules.py): "<flag>: applies only to <what>; <how> or drop --<flag>"."""
-
-    what: str
-    how: str
-    deciders: tuple[str, ...]
-    applies: Callable[[Config], bool] = lambda config: True
-
-
-MATRYOSHKA_MODE = Scope(
-    "Matryoshka mode", "pass --use_projection False", ("use_projection",), lambda c: not c.mode.use_projection
-)
-RERANKER = Scope(
-    "a reranker teacher", "pass --reranker_model", ("reranker_model",), lambda c: c.reranker.reranker_model is not None
-)
 RERANKER_LOSSES = ("kl_div", "margin_mse")
 
 
@@ -336,7 +299,9 @@ class TrainingConfig:
 @dataclass
 class LossConfig:
     temperature: float = _opt(
-        default=0.05, check=POSITIVE, help="Phase-2 softmax temperature of the similarity distillation."
+        default=0.05,
+        check=POSITIVE,
+        help="Phase-2 softmax temperature of the similarity distillation and of the label loss (its scale is 1/T).",
     )
     cosine_weight: float = _opt(default=1.0, check=NON_NEGATIVE, help="Weight of the (1 - cosine) alignment loss.")
     mse_weight: float = _opt(default=1.0, check=NON_NEGATIVE, help="Weight of the squared-distance alignment loss.")
@@ -349,6 +314,19 @@ class LossConfig:
     )
     matryoshka_full_teacher_similarity: bool = _opt(
         default=False, help="MRL: the similarity loss at each dim targets the teacher's full-width similarities."
+    )
+    mnrl_weight: float = _opt(
+        default=4.0,
+        check=NON_NEGATIVE,
+        help="Phase-2 weight of the pairs' own labels: each query's passage against every other passage of the global "
+        "batch and its negatives (sentence-transformers' MultipleNegativesRankingLoss, scale 1/--temperature). 0: the "
+        "teacher's terms alone.",
+    )
+    mnrl_margin: float = _opt(
+        default=0.0,
+        check=NON_NEGATIVE,
+        help="Phase 2: a candidate the teacher scores above the query's positive less this margin is left out of the "
+        "label loss as a likely false negative (GISTEmbedLoss's absolute margin, with the teacher as the guide).",
     )
     reranker_loss: str = _opt(
         scope=RERANKER,
@@ -410,6 +388,12 @@ class OutputConfig:
     output_dir: str = _opt(default="./checkpoints", check=FOLDER, help="Where results.json, config.yaml and logs go.")
     save_to_artifacts: bool = _opt(default=False, help="Export the trained student as a SentenceTransformer.")
     artifacts_dir: str = _opt(default="./artifacts", check=FOLDER, help="Where the exported model folder(s) go.")
+    export_onnx: str = _opt(
+        default="auto",
+        choices=EXPORT_ONNX,
+        help="Export the student's ONNX forms (float32 and int8) into the model folder's onnx/, each timed and scored "
+        "in the run. auto: on a CPU run where onnx and onnxruntime are installed (pip install 'distill[onnx]').",
+    )
     push_to_hub: str | None = _opt(
         default=None,
         check=HUB_REPO,

@@ -340,6 +340,7 @@ class Efficiency:
     exported_bytes: int | None = None  # the whole exported folder (weights, tokenizer, config)
     teacher_note: str | None = None  # why the teacher's figures are missing or partial (an API, a vectors file)
     student_model2vec: ModelCost | None = None  # a static student on a CPU, as model2vec's own runtime encodes it
+    forms: list[dict[str, Any]] | None = None  # its served forms (ONNX float32, int8): distill/stages/forms.py
 
     def to_dict(self) -> dict[str, Any]:
         values = asdict(self)
@@ -398,71 +399,3 @@ def measure_student(
         teacher_note=teacher_note,
         student_model2vec=model2vec_cost,
     )
-
-
-def trade_off_line(results: dict) -> str | None:
-    """One sentence a user can quote: the share of the teacher's nDCG@10 kept, and at what cost. None if unknown."""
-    efficiency = results.get("efficiency") or {}
-    ratios = efficiency.get("ratios")
-    teacher = (results.get("teacher") or {}).get("ndcg@10")
-    student = (results.get("student_after") or {}).get("ndcg@10")
-    if not teacher or student is None or not (ratios or efficiency.get("teacher_note")):
-        return None
-    kept = f"The student keeps {100 * student / teacher:.1f}% of the teacher's nDCG@10"
-    if not ratios:
-        return f"{kept}; {efficiency['teacher_note']}."
-    if "parameters" not in ratios:  # a served teacher: its speed through its endpoint, from this machine
-        return (
-            f"{kept} at {ratios['throughput']:.1f}x the throughput of the teacher's endpoint as this machine reaches "
-            f"it ({efficiency['teacher_note']}), on {efficiency['device']}."
-        )
-    model2vec = (
-        f" ({ratios['throughput_model2vec']:.1f}x through model2vec)" if "throughput_model2vec" in ratios else ""
-    )
-    line = (
-        f"{kept} at {ratios['throughput']:.1f}x its throughput{model2vec} and {ratios['parameters']:.2f}x its "
-        f"parameters, on {efficiency['device']}."
-    )
-    rates = [efficiency[side].get("machine_gflops") for side in ("teacher", "student")]
-    if not same_load(*rates):
-        line += (
-            f" The two were timed under different loads (the CPU's matmul at {rates[0]} and {rates[1]} GFLOP/s), "
-            "so the speed ratio is off: time both on an idle machine."
-        )
-    return line
-
-
-def cost_table(results: dict) -> str:
-    """A Markdown table: teacher, student and each Matryoshka width, with quality and cost side by side."""
-    efficiency = results.get("efficiency") or {}
-    if not efficiency:
-        return ""
-    header = "| model | dim | nDCG@10 | texts/s | one query (ms) | parameters | weights (MB) |"
-    lines = [header, "|---|---:|---:|---:|---:|---:|---:|"]
-    for row, label in (("teacher", "teacher"), ("student", "student"), ("student_model2vec", "student, model2vec")):
-        cost = efficiency.get(row)
-        if not cost:
-            continue
-        ndcg = (results.get("teacher" if row == "teacher" else "student_after") or {}).get("ndcg@10")
-        lines.append(
-            f"| {label} | {cost['dim']} | {_score(ndcg)} | {cost['texts_per_second']:,.1f} | {cost['latency_ms']:.1f} "
-            f"| {cost['parameters'] / 1e6:.1f}M | {cost['weights_bytes'] / 1e6:.1f} |"
-        )
-    student = efficiency["student"]
-    widths = (results.get("student_after") or {}).get("matryoshka_ndcg@10") or {}
-    for dim, value in sorted(((int(d), v) for d, v in widths.items()), reverse=True):
-        if dim != student["dim"]:
-            lines.append(f"| student, first {dim} dims | {dim} | {_score(value)} | same | same | same | same |")
-    lines += [
-        "",
-        f"Measured on {efficiency['device']} in {efficiency.get('dtype', 'float32')}: `encode` at batch "
-        f"{efficiency['batch_size']} over {efficiency['texts']} passages (the evaluation set's, else training "
-        f"texts) after a warm-up; one query: the median of "
-        f"{efficiency['latency_repeats']} single-query calls. A truncated width costs the same to encode and "
-        "stores fewer bytes per vector.",
-    ]
-    return "\n".join(lines)
-
-
-def _score(value: float | None) -> str:
-    return "" if value is None else f"{value:.4f}"

@@ -3,6 +3,7 @@
 - `<artifacts_dir>/model`: what users deploy. In projection mode it ends with the trained Dense projection
   and a Normalize, so `encode` returns teacher-space vectors that can query an index the teacher built. In
   Matryoshka mode it is the student, given a final Normalize if it has none: unit vectors in both modes.
+- `<artifacts_dir>/model/onnx/`: its ONNX forms, float32 and int8, where the run built them (stages/forms.py).
 - `<artifacts_dir>/student`: projection mode only, the student at its own dimension.
 - a kind's own folders beside them: a static table's `<artifacts_dir>/model2vec`, as model2vec saves it.
 
@@ -57,9 +58,10 @@ def export_models(
     table: str,
     figures: dict | None = None,
     student: StudentDescription | None = None,
+    forms: Path | None = None,
 ) -> dict[str, str]:
     """Write the exported model folder(s), each with its model card (`settings`, the evaluation and cost `table`,
-    `figures`: the run's results for the card's header).
+    `figures`: the run's results for the card's header; `forms`: a folder whose `onnx/` goes into the model's).
 
     Returns {name: path}. Collective: every process must call it.
     """
@@ -81,9 +83,9 @@ def export_models(
     written.update({name: str(root / name) for name in extras})
 
     def write() -> None:
-        for path, sentence_transformer, dims, note in targets.values():
+        for name, (path, sentence_transformer, dims, note) in targets.items():
             card = model_card(sentence_transformer, settings, table, dims, note, trained, figures, student)
-            save_atomic(sentence_transformer, path, card)
+            save_atomic(sentence_transformer, path, card, forms if name == "model" else None)
         for name, extra in extras.items():
             card = model_card(deployable, settings, table, model_dims, extra.note, trained, figures, student)
             save_atomic_with(partial(extra.save, card=card), root / name)
@@ -117,8 +119,9 @@ def save_atomic_with(save: Callable[[Path], object], target: Path) -> None:
     shutil.rmtree(previous, ignore_errors=True)
 
 
-def save_atomic(sentence_transformer: SentenceTransformer, target: Path, card: str) -> None:
-    """sentence-transformers' save, card added, swapped in atomically (`save_atomic_with`).
+def save_atomic(sentence_transformer: SentenceTransformer, target: Path, card: str, forms: Path | None = None) -> None:
+    """sentence-transformers' save, card added, the `onnx/` folder of `forms` copied in where given, swapped in
+    atomically (`save_atomic_with`).
 
     The folder is saved without prompts: the student was distilled on unprompted texts, so the prompts it
     came with would make `encode_query`/`encode_document` feed it inputs it was not trained on.
@@ -128,6 +131,8 @@ def save_atomic(sentence_transformer: SentenceTransformer, target: Path, card: s
         with no_prompts(sentence_transformer):
             sentence_transformer.save(str(staging), create_model_card=False)
         (staging / "README.md").write_text(card)
+        if forms is not None and (forms / "onnx").is_dir():
+            shutil.copytree(forms / "onnx", staging / "onnx")
 
     save_atomic_with(save, target)
 

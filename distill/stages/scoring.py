@@ -20,7 +20,7 @@ from accelerate import Accelerator
 from distill.batching import TokenizedTexts
 from distill.checkpoint import TrainingState
 from distill.losses import truncate
-from distill.metrics import score, set_retrieval
+from distill.metrics import index_precision, score, set_retrieval
 from distill.stages.data import DistillData, EvalSet, EvalVectors
 from distill.stages.export import export_models
 from distill.stages.initialise import encode_student
@@ -68,6 +68,9 @@ def evaluate_student(
             teacher = rotated(teacher, inputs.teacher_basis)
         teacher = truncated(teacher, target.queries.shape[1])
     metrics: dict[str, object] = score(target, inputs.eval_set, teacher)
+    # what a vector database holding these vectors at a lower precision ranks (its bytes per text: the cost table)
+    index = index_precision(target.queries, target.corpus, inputs.eval_set)
+    metrics["index_ndcg@10"] = {name: figures["ndcg@10"] for name, figures in index.items() if name != "float32"}
     if model.projection is not None:
         own = EvalVectors(encoded["queries"][0], encoded["corpus"][0], None)
         metrics["ndcg@10_student_dim"] = set_retrieval(own.queries, own.corpus, inputs.eval_set)["ndcg@10"]

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
 
     from distill.batching import TokenizedTexts
-    from distill.config.schema import Scope, StudentConfig, TeacherConfig
+    from distill.config.constraints import Scope
+    from distill.config.schema import StudentConfig, TeacherConfig
     from distill.hub import ModelShape
     from distill.stages.cost import CostTexts, ModelCost
 
@@ -73,7 +74,7 @@ class StudentKind:
     - `describe`, `declared_dim` and `figures`: what it is without loading weights, for the run and the planner;
     - `load`: the SentenceTransformer the phases train, and `holds(model)`: whether a loaded model is of this kind;
     - `texts`: how its texts are tokenized and batched; `deployable`, `extra_folders`: what export writes;
-      `runtime_cost`: a figure of its own for the cost stage.
+      `runtime_cost`: a figure of its own for the cost stage; `onnx_transformer`: what its ONNX forms export.
     """
 
     name = ""  # as the logs say it
@@ -127,6 +128,11 @@ class StudentKind:
         return {}
 
     def runtime_cost(self, student: SentenceTransformer, texts: CostTexts) -> ModelCost | None:
+        return None
+
+    def onnx_transformer(self, deployable: SentenceTransformer) -> Any | None:
+        """The module an ONNX form of the deployable exports (token ids in, token vectors out), or None: this kind
+        has no ONNX form."""
         return None
 
 

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from distill.batching import TokenizedTexts
-from distill.config.schema import Scope
+from distill.config.constraints import Scope
 from distill.errors import DistillError
 from distill.files import write_atomic
 from distill.hub import ModelShape, config_folder, model_fingerprint, resolve_model, tokenizer_of

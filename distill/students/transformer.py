@@ -269,6 +269,9 @@ class TransformerKind(StudentKind):
         offset = getattr(model, "position_offset", None)
         return TokenizedTexts if offset is None else partial(FlatTexts, position_offset=offset)
 
+    def onnx_transformer(self, deployable: SentenceTransformer) -> Any | None:
+        return deployable[0].auto_model  # the folder's Pooling, Dense and Normalize stay its modules
+
 
 def own_token_limit(student_model: str) -> int | None:
     """The student's own token limit, read without loading it (`declared_max_seq_length`); None if unknown."""
