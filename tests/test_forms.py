@@ -186,3 +186,29 @@ def test_index_precision_scores_what_an_int8_and_a_binary_index_rank_by() -> Non
     kept = np.isfinite(scores[0])
     assert kept.sum() == TOP_K * RESCORE
     assert np.allclose(scores[0, kept], queries[0] @ np.where(corpus[kept] > 0, 1.0, -1.0).T, atol=1e-4)
+
+
+def test_asking_for_the_forms_without_the_extra_is_one_line_on_how_to_install_it(monkeypatch) -> None:
+    import torch
+
+    from distill.errors import DistillError
+
+    monkeypatch.setattr(forms, "onnx_available", lambda: False)
+    with pytest.raises(
+        DistillError, match=r"--export_onnx true needs onnx and ONNX Runtime: pip install 'distill\[onnx\]'"
+    ):
+        forms.wanted("true", torch.device("cpu"))
+    assert forms.wanted("auto", torch.device("cpu")) is False  # auto: without the extra, no forms and no error
+    monkeypatch.setattr(forms, "onnx_available", lambda: True)
+    assert forms.wanted("auto", torch.device("cpu")) is True
+    assert forms.wanted("auto", torch.device("cuda")) is False  # never run on a GPU: not on by default there
+    assert forms.wanted("false", torch.device("cpu")) is False
+
+
+def test_only_a_transformer_student_has_an_onnx_form(tiny_models) -> None:
+    from distill.students import kind_of
+
+    student = SentenceTransformer(str(tiny_models["student"]), device="cpu")
+    assert kind_of(student).onnx_transformer(student) is student[0].auto_model
+    static = pytest.importorskip("distill.students.static")
+    assert static.StaticKind().onnx_transformer(student) is None  # model2vec's folder is a table's small form
