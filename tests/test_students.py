@@ -476,7 +476,8 @@ def test_a_run_on_unpadded_batches_follows_the_padded_run(tiny_models, tiny_data
     flat = run(tmp_path / "flat")
     assert len(batches) > 20 + 20  # the training batches of both phases, and the evaluations
     for phase in ("phase1", "phase2"):
-        assert flat["phases"][phase]["losses"] == pytest.approx(padded["phases"][phase]["losses"], abs=1e-4)
+        # relative: phase 2's label loss (scale 20, weight 4) makes its losses about 10, at float32 rounding 5e-5
+        assert flat["phases"][phase]["losses"] == pytest.approx(padded["phases"][phase]["losses"], rel=1e-4, abs=1e-4)
     assert flat["student_after"]["ndcg@10"] == pytest.approx(padded["student_after"]["ndcg@10"], abs=1e-3)
     weights = [
         load_file(str(out / "artifacts" / "model" / "model.safetensors"))

@@ -105,7 +105,13 @@ def assert_sentence_transformers_evaluators_agree(
 
 def test_tiny_run_projection_mode_end_to_end(tiny_models, tiny_data, tmp_path, caplog):
     out = tmp_path / "run"
-    flags = tiny_run_flags(tiny_models, tiny_data, out, save_to_artifacts=True)
+    flags = tiny_run_flags(
+        tiny_models,
+        tiny_data,
+        out,
+        save_to_artifacts=True,
+        mnrl_weight=0,  # the teacher's terms alone: the test checks the student moves towards the teacher
+    )
     assert main(flags) == 0
     results = results_of(out)
     assert results["world_size"] == 1 and results["mode"] == "projection"
@@ -165,7 +171,14 @@ def test_a_decoder_student_saved_in_bfloat16_trains_and_exports(tiny_models, tin
     """The Qwen3-Embedding layout (bf16 checkpoint, left padding, last-token pooling), pruned and checkpointed."""
     student = build_tiny_decoder(tmp_path / "decoder")
     out = tmp_path / "run"
-    flags = tiny_run_flags(tiny_models, tiny_data, out, student_model=student, student_num_layers=2)
+    flags = tiny_run_flags(
+        tiny_models,
+        tiny_data,
+        out,
+        student_model=student,
+        student_num_layers=2,
+        mnrl_weight=0,  # the teacher's terms alone: the test checks the student moves towards the teacher
+    )
     assert main([*flags, "--gradient_checkpointing", "True", "--save_to_artifacts"]) == 0
     results = results_of(out)
     for phase in ("phase1", "phase2"):
@@ -212,7 +225,14 @@ def test_second_run_reuses_the_teacher_cache_without_loading_the_teacher(tiny_mo
 def test_matryoshka_mode_trains_truncated_dims(tiny_models, tiny_data, tmp_path, caplog):
     """Also: --push_to_hub offline exports, then fails to upload with one warning; the model and results stay."""
     out = tmp_path / "mrl"
-    flags = tiny_run_flags(tiny_models, tiny_data, out, use_projection=False, matryoshka_dims="32,16,8")
+    flags = tiny_run_flags(
+        tiny_models,
+        tiny_data,
+        out,
+        use_projection=False,
+        matryoshka_dims="32,16,8",
+        mnrl_weight=0,  # the teacher's terms alone: the test checks the student moves towards the teacher
+    )
     with caplog.at_level(logging.WARNING):
         assert main([*flags, "--push_to_hub", "me/tiny-student"]) == 0  # HF_HUB_OFFLINE=1 (conftest)
     pushes = [r.getMessage() for r in caplog.records if "push to the Hub" in r.getMessage()]
@@ -335,6 +355,10 @@ def test_shipped_minilm_on_embedded_data_gets_closer_to_the_teacher(tmp_path):
         "64",
         "--efficiency_texts",
         "64",
+        # sentence-transformers' evaluator must rank as results.json does, exactly (below). A label-trained student
+        # of this size has two passages 1.2e-7 apart in a query's top hits, which the two encoders order apart.
+        "--mnrl_weight",
+        "0",
     ]
     assert main(flags) == 0
     results = results_of(out)
@@ -342,7 +366,7 @@ def test_shipped_minilm_on_embedded_data_gets_closer_to_the_teacher(tmp_path):
     # results.json names the terms that trained each phase and what each phase added
     phases = results["phases"]
     assert phases["phase1"]["terms"] == {"cosine": 1.0, "mse": 1.0}
-    assert phases["phase2"]["terms"] == {"cosine": 1.0, "mse": 1.0, "similarity_kl": 1.0, "mnrl": 4.0}
+    assert phases["phase2"]["terms"] == {"cosine": 1.0, "mse": 1.0, "similarity_kl": 1.0}
     for phase, before, after in (
         ("phase1", "student_before", "after_phase1"),
         ("phase2", "after_phase1", "student_after"),
@@ -446,6 +470,11 @@ def test_two_processes_match_one_process_with_twice_the_batch(
         assert results_of(two)["heap_allocator"] == ("tcmalloc" if find_tcmalloc() else "glibc")
     assert main(tiny_run_flags(tiny_models, tiny_data, one, batch_size=8, **common, **budgets[1])) == 0
     assert results_of(two)["world_size"] == 2 and results_of(one)["world_size"] == 1
+    assert (
+        results_of(two)["phases"]["phase2"]["terms"]["mnrl"]
+        == results_of(one)["phases"]["phase2"]["terms"]["mnrl"]
+        == 1
+    )
     assert results_of(two)["mode"] == results_of(one)["mode"] == ("projection" if use_projection else "matryoshka")
     members = teachers if teachers == 2 else 0  # a combined teacher's members are scored apart
     assert len(results_of(two).get("teachers") or {}) == len(results_of(one).get("teachers") or {}) == members
