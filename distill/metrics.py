@@ -182,9 +182,10 @@ def int8_scores(queries: np.ndarray, corpus: np.ndarray) -> np.ndarray:
     `quantize_embeddings`) and searched by their integer dot product, the shortlist rescored."""
     from sentence_transformers.util import quantize_embeddings
 
-    corpus8 = quantize_embeddings(corpus, "int8", calibration_embeddings=corpus).astype(np.int32)
-    queries8 = quantize_embeddings(queries, "int8", calibration_embeddings=corpus).astype(np.int32)
-    return rescored(queries, corpus8.astype(np.float32), (queries8 @ corpus8.T).astype(np.float32))
+    # the int8 codes' dot products (at most 127^2 x dim) are exact in float32 below 1,040 dims, and BLAS runs them
+    corpus8 = quantize_embeddings(corpus, "int8", calibration_embeddings=corpus).astype(np.float32)
+    queries8 = quantize_embeddings(queries, "int8", calibration_embeddings=corpus).astype(np.float32)
+    return rescored(queries, corpus8, queries8 @ corpus8.T)
 
 
 def binary_scores(queries: np.ndarray, corpus: np.ndarray) -> np.ndarray:
@@ -192,10 +193,10 @@ def binary_scores(queries: np.ndarray, corpus: np.ndarray) -> np.ndarray:
     shortlist rescored against the +-1 bits (sentence-transformers' binary search recipe)."""
     from sentence_transformers.util import quantize_embeddings
 
-    signs = np.unpackbits(quantize_embeddings(corpus, "ubinary"), axis=1)[:, : corpus.shape[1]]  # (corpus, dim)
-    query_signs = (queries > 0).astype(np.int32)
+    signs = np.unpackbits(quantize_embeddings(corpus, "ubinary"), axis=1)[:, : corpus.shape[1]].astype(np.float32)
+    query_signs = (queries > 0).astype(np.float32)  # bit counts are exact in float32
     hamming = query_signs @ (1 - signs.T) + (1 - query_signs) @ signs.T  # (queries, corpus)
-    return rescored(queries, 2 * signs.astype(np.float32) - 1, -hamming.astype(np.float32))
+    return rescored(queries, 2 * signs - 1, -hamming)
 
 
 INDEX_PRECISIONS = {"int8": (int8_scores, 1.0), "binary": (binary_scores, 1 / 8)}  # scores, bytes per dimension
