@@ -26,7 +26,6 @@ import numpy as np
 
 from distill.errors import DistillError
 
-ONNX_FOLDER = "onnx"
 ONNX_FILE = "onnx/model.onnx"  # sentence-transformers' name for a folder's float32 ONNX transformer
 INSTALL = "pip install 'distill[onnx]' (onnx and onnxruntime)"
 POOLING_MODES = ("cls", "mean", "max", "mean_sqrt_len_tokens", "lasttoken")
