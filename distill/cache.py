@@ -10,10 +10,12 @@ the vectors computed is the teacher stage's business (distill/stages/targets.py)
     python -m distill.cache prune [--teacher_cache_dir DIR | --config FILE] [--unused_days N] [--dry_run]
 
 `prune` removes what no run can use again: staging folders of processes that are gone, moved-aside
-entries, unheld lock files, corrupt entries. With `--unused_days N` it also removes entries, and
-interrupted encodings, untouched for N days. Anything a live run on this machine holds is left alone;
-another machine's staging folder is removed only by age. An entry is moved aside before it is deleted, and kept
-if a run read or rebuilt it since `prune` looked. `prune` exits with 1 if something could not be removed.
+entries, unheld lock files, corrupt entries (each file is checked against the entry's contents.json, as a run
+checks it). With `--unused_days N` it also removes entries, and interrupted encodings, untouched for N days.
+Anything a live run holds (its lock, or its process on this machine) is left alone; another machine's staging
+folder is removed only by age, since its process cannot be seen from here. An entry is moved aside before it is
+deleted, and kept if a run read or rebuilt it since `prune` looked. `prune` exits with 1 if something could not
+be removed.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import socket
 import sys
@@ -31,7 +34,10 @@ from typing import Any
 
 import yaml
 
+from distill.files import check, human_bytes, unique_suffix
 from distill.store import CACHE_FORMAT, KEY, STAGED, claim, lock_file, read_entry, read_json_or_empty
+
+STAGING_TAIL = re.compile(r"(?P<host>.+)-(?P<pid>\d+)(?:-[0-9a-f]{8})?")  # <host>-<pid>[-<random>]
 
 
 @dataclass
@@ -49,11 +55,12 @@ class CacheItem:
 
     @property
     def this_host(self) -> bool:
-        return self.host == socket.gethostname()
+        """Whether this machine can tell if the item is in use ("": a lock any machine sharing the folder sees)."""
+        return self.host in ("", socket.gethostname())
 
     @property
     def lock_path(self) -> Path:
-        return lock_file(self.path.parent, self.key, self.host)
+        return lock_file(self.path.parent, self.key)
 
 
 AREAS = ("data", "tokens")  # sub-folders of kept data (distill/prepared.py) and token ids (distill/tokens.py)
@@ -71,7 +78,7 @@ def scan(cache_dir: Path) -> list[CacheItem]:
 
 def scan_folder(folder: Path, area: str = "") -> list[CacheItem]:
     """The items of one folder: teacher entries (no `area`), or the entries of a data or tokens folder, each
-    whole once its fields.json is there."""
+    whole when every file matches its contents.json (distill/files.py `check`)."""
     items = []
     for path in sorted(folder.iterdir()):
         staged = STAGED.fullmatch(path.name)
@@ -79,7 +86,7 @@ def scan_folder(folder: Path, area: str = "") -> list[CacheItem]:
             manifest: dict[str, Any]
             if area:
                 manifest = {"role": area}
-                valid = (path / "fields.json").is_file()
+                valid = check(path) is None
             else:
                 manifest = read_json_or_empty(path / "manifest.json")
                 valid = read_entry(path, path.name, manifest.get("count", -1)) is not None
@@ -88,13 +95,13 @@ def scan_folder(folder: Path, area: str = "") -> list[CacheItem]:
                 kind = "other format"
             items.append(CacheItem(path, path.name, kind, info=manifest, **_size_and_time(path)))
         elif staged:
-            kind, rest = staged["kind"], staged["rest"]
-            host, pid = rest, None
-            if kind == "tmp" and "-" in rest:
-                host, _, pid_text = rest.rpartition("-")
-                pid = int(pid_text) if pid_text.isdigit() else None
-            elif kind == "stale":
-                host, pid = "", int(rest) if rest.isdigit() else None
+            kind, rest = staged["kind"], staged["rest"] or ""
+            host, pid = "", None  # a partial or lock: its lock is taken through the folder, from any host
+            tail = STAGING_TAIL.fullmatch(rest)
+            if kind in ("tmp", "stale"):
+                host, pid = (tail["host"], int(tail["pid"])) if tail else ("", None)
+            elif rest:  # `.partial-<host>`, `.lock-<host>`: an earlier distill's, never resumed now
+                host = rest
             progress = read_json_or_empty(path / "progress.json") if kind == "partial" else {}
             items.append(CacheItem(path, staged["key"], kind, host, pid, info=progress, **_size_and_time(path)))
     return items
@@ -137,7 +144,9 @@ def verdict(item: CacheItem, items: list[CacheItem], unused_days: float | None, 
     if item.kind == "corrupt":
         return "incomplete or corrupt (a run would rebuild it)"
     if item.kind == "stale":
-        return None if item.pid is not None and process_alive(item.pid) else "a corrupt entry moved aside"
+        if item.this_host and item.pid is not None and process_alive(item.pid):
+            return None
+        return "a corrupt entry moved aside" if item.this_host or old else None
     if item.kind == "tmp":
         if item.this_host and item.pid is not None:
             return None if process_alive(item.pid) else "its process is gone and it cannot be resumed"
@@ -156,13 +165,14 @@ def verdict(item: CacheItem, items: list[CacheItem], unused_days: float | None, 
 
 
 def in_use(item: CacheItem) -> bool:
-    """Whether a live process on this machine holds the lock of `item`'s key (a partial folder or a lock file)."""
+    """Whether a live process holds the lock of `item`'s key (a partial folder or a lock file); where the folder
+    takes no locks, whether one might (so nothing is removed)."""
     if not item.lock_path.exists():  # a writer keeps its lock file until it lets go
         return False
-    lock = claim(item.lock_path)
-    if lock is None:
+    taken = claim(item.lock_path)
+    if taken.fd is None:
         return True
-    os.close(lock)
+    os.close(taken.fd)
     return False
 
 
@@ -172,7 +182,7 @@ def remove(item: CacheItem) -> bool:
         return remove_entry(item)
     lock = None
     if item.kind in ("partial", "lock") and item.this_host:
-        lock = claim(item.lock_path)
+        lock = claim(item.lock_path).fd
         if lock is None:
             if item.lock_path.exists():
                 return False  # a run on this machine holds it
@@ -193,7 +203,7 @@ def remove(item: CacheItem) -> bool:
 
 def remove_entry(item: CacheItem) -> bool:
     """Remove an entry, unless a run read or rebuilt it since `scan`; moved aside first, so no run sees it half gone."""
-    aside = item.path.parent / f".{item.key}.stale-{os.getpid()}"
+    aside = item.path.parent / f".{item.key}.stale-{unique_suffix()}"
     os.replace(item.path, aside)  # in a read-only folder this fails, and the entry stays whole
     if max((f.stat().st_mtime for f in aside.iterdir() if f.is_file()), default=0.0) > item.used:
         with contextlib.suppress(OSError):  # if a run has written the entry again meanwhile, this copy can go
@@ -203,14 +213,6 @@ def remove_entry(item: CacheItem) -> bool:
     return True
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def describe(item: CacheItem, now: float) -> list[str]:
     """One `list` row: key, state, teacher, role, texts, dim, size, last used."""
     info = item.info
@@ -218,7 +220,8 @@ def describe(item: CacheItem, now: float) -> list[str]:
     if item.kind == "partial":
         done, count = info.get("rows_done"), info.get("count")
         progress = f" {done}/{count}" if done is not None and count else ""
-        state = f"partial{progress} on {item.host}" + (" (encoding now)" if item.this_host and in_use(item) else "")
+        where = f" on {item.host}" if item.host else ""
+        state = f"partial{progress}{where}" + (" (encoding now)" if item.this_host and in_use(item) else "")
     elif item.kind == "other format":
         state = f"format {info.get('format')} (another distill version)"
     elif item.kind in ("tmp", "lock"):

@@ -7,7 +7,12 @@ A checkpoint is `<output_dir>/checkpoints/checkpoint-<phase>-<step>/` holding
 - `phase_state.safetensors` (when the phase has any): tensors the loop carries between steps, the same on
   every rank, such as phase 2's cross-batch passage memory;
 - `state.json`: phase, epoch, batches done in the epoch, optimizer steps, the losses and results so far,
-  and the settings of the run that decide what it trains (`run_identity`), checked on resume.
+  the settings of the run that decide what it trains (`run_identity`) and each data source's stamp, checked
+  on resume, and the save's sequence number;
+- `contents.json`: each file's size and checksum (distill/files.py's `seal`), checked before a checkpoint
+  is resumed or counted as `latest`, so a save cut short by a crash is skipped, never loaded.
+`latest` is the checkpoint saved last (by sequence), and the rotation keeps the last saved: a run resumed from
+an older checkpoint makes its own line the newest, and the abandoned newer ones are rotated out first.
 Data order needs no saved state: the batch sampler is a pure function of (seed, epoch), and resuming
 mid-epoch skips the batches already done (`skip_first_batches`).
 
@@ -21,9 +26,11 @@ Checkpoints are named by phase and step rather than by Accelerate's automatic co
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -36,9 +43,11 @@ from distill.config.flags import LEAVES
 from distill.config.schema import Config
 from distill.distributed import elastic_restart, main_decides
 from distill.errors import DistillError
+from distill.files import check, put_in_place, seal
 from distill.results import RunResults
 
 logger = get_logger(__name__)
+said = logging.getLogger(__name__)  # for what only the main process does (finding `latest`, rotating)
 
 PHASES = ("phase1", "phase2")
 NAME = re.compile(r"^checkpoint-(phase[12])-(\d+)$")
@@ -61,6 +70,7 @@ class TrainingState:
     evaluation_pending: bool = False  # stopped at an --eval_steps step before evaluating it: the resume does first
     results: RunResults = field(default_factory=RunResults)  # evaluations and finished phases' figures so far
     identity: dict = field(default_factory=dict)
+    saved: int = 0  # this save's sequence number in its output_dir: what `latest` and the rotation go by
 
     def start_phase(self, phase: str) -> None:
         """Reset the per-phase counters; results and identity carry over."""
@@ -84,30 +94,54 @@ def checkpoint_root(output_dir: str | os.PathLike) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-def _order(path: Path) -> tuple[int, int]:
+def _order(path: Path) -> tuple[int, int, int]:
+    """Save order: the sequence number, then (for checkpoints saved before it was kept) phase and step."""
     match = NAME.match(path.name)
     assert match is not None
-    return PHASES.index(match.group(1)), int(match.group(2))
+    try:
+        saved = int(json.loads((path / STATE_FILE).read_text()).get("saved", 0))
+    except (OSError, ValueError, AttributeError):
+        saved = 0
+    return saved, PHASES.index(match.group(1)), int(match.group(2))
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with the checkpoint folder `path` (None: it is whole)."""
+    if not (path / STATE_FILE).is_file():
+        return f"incomplete (no {STATE_FILE})"
+    return check(path, unsealed_ok=True)  # a checkpoint of an earlier distill has no contents.json
+
+
+def checkpoint_folders(root: Path) -> list[Path]:
+    return [p for p in root.iterdir() if NAME.match(p.name) and p.is_dir()] if root.is_dir() else []
 
 
 def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints (with their state file), oldest first."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if NAME.match(p.name) and (p / STATE_FILE).is_file()]
-    return sorted(found, key=_order)
+    """Whole checkpoints (every file at its size and checksum), in save order, oldest first."""
+    return sorted((p for p in checkpoint_folders(root) if damage(p) is None), key=_order)
 
 
 def find_checkpoint(output_dir: str | os.PathLike, spec: str) -> Path | None:
-    """`latest` -> the newest complete checkpoint of this output_dir, or None; otherwise the given folder."""
+    """`latest` -> the checkpoint of this output_dir saved last that is whole, or None (a damaged one is said and
+    skipped); otherwise the given folder, which must be whole."""
     if spec == "latest":
-        found = list_checkpoints(checkpoint_root(output_dir))
+        root = checkpoint_root(output_dir)
+        found = list_checkpoints(root)
+        newer = [p for p in checkpoint_folders(root) if p not in found and (not found or _order(p) > _order(found[-1]))]
+        for path in newer:
+            said.warning(f"checkpoint {path} is {damage(path)}; skipping it")
         return found[-1] if found else None
     path = Path(spec).expanduser()
     if not (path / STATE_FILE).is_file():
         raise DistillError(
             f"resume_from_checkpoint: {spec!r} is not a checkpoint folder (no {STATE_FILE} inside); pass "
             "'latest' or a folder like <output_dir>/checkpoints/checkpoint-phase1-0000100"
+        )
+    problem = damage(path)
+    if problem is not None:
+        raise DistillError(
+            f"resume_from_checkpoint: {spec!r} is {problem}; pass 'latest' (the last whole checkpoint) or an "
+            "earlier checkpoint folder"
         )
     return path
 
@@ -148,7 +182,7 @@ def save_checkpoint(
     """
     root = checkpoint_root(output_dir)
     final = root / f"checkpoint-{state.phase}-{state.optimizer_steps:07d}"
-    staging = root / f".tmp-{final.name}"
+    staging = root / f".tmp-{final.name}"  # one name on every process; one run per output_dir (distill/report.py)
     if accelerator.is_main_process:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
@@ -162,14 +196,51 @@ def save_checkpoint(
         save_file({k: v.detach().cpu().contiguous() for k, v in extra.items()}, str(staging / EXTRA_FILE))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (staging / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))  # last: marks it complete
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging, final)
-        for old in list_checkpoints(root)[:-limit] if limit > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        state.saved = max((_order(p)[0] for p in checkpoint_folders(root)), default=0) + 1
+        (staging / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
+        seal(staging)  # every rank's files are on disk (the barrier): synced and listed with their checksums
+        put_in_place(staging, final, replace_whole=True)  # a checkpoint abandoned at this step is replaced
+        rotate(root, limit)
     accelerator.wait_for_everyone()
     return final
+
+
+def rotate(root: Path, limit: int) -> None:
+    """Keep the last `limit` checkpoints saved (all with 0), and remove damaged ones: no run can resume them."""
+    kept = list_checkpoints(root)
+    for old in kept[:-limit] if limit > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    for damaged in set(checkpoint_folders(root)) - set(kept):
+        said.warning(f"removing checkpoint {damaged}: {damage(damaged)}")
+        shutil.rmtree(damaged, ignore_errors=True)
+
+
+@dataclass
+class CheckpointSettings:
+    output_dir: Path
+    every: int  # optimizer steps between checkpoints; 0 disables periodic checkpoints
+    limit: int  # checkpoints kept
+    at_end: bool = False  # save one when the phase's training ends: the run's last, so a stop after it loses nothing
+    saved_at_end: Path | None = None  # where that one is (or the checkpoint a resume found already at the end)
+
+
+def end_checkpoint(
+    state: TrainingState,
+    checkpoints: CheckpointSettings,
+    resume: Path | None,
+    steps_before: int,
+    checkpoint: Callable[[], Path],
+) -> Path | None:
+    """With `checkpoints.at_end`, the checkpoint of the trained phase: saved now, unless the last step saved one, or
+    the run resumed from one saved here already. Evaluation, the cost and the export come after it; a SIGTERM or a
+    crash during them costs no training (distill/pipeline.py stops at the next stage with it)."""
+    if not checkpoints.at_end:
+        return None
+    if resume is not None and state.optimizer_steps == steps_before:
+        return resume
+    if checkpoints.every and state.optimizer_steps % checkpoints.every == 0 and state.optimizer_steps > steps_before:
+        return checkpoint_root(checkpoints.output_dir) / f"checkpoint-{state.phase}-{state.optimizer_steps:07d}"
+    return checkpoint()
 
 
 def load_checkpoint(accelerator: Accelerator, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -262,6 +333,27 @@ class Resume:
             main_process_only=True,
         )
         return cls(state, checkpoint)
+
+    def started(self, capped: dict[str, int], reranker: dict | None) -> TrainingState:
+        """The state the run goes on from, with what the data and teacher stages found: the caps the data reached
+        (said in the log as well), and the reranker's figures."""
+        self.state.results.capped = capped or None
+        self.state.results.reranker = reranker
+        return self.state
+
+    def check_data(self, stamps: dict[str, str]) -> None:
+        """Refuse to continue a checkpoint on data that changed since it was saved (a source's files edited, or a
+        Hub dataset at another commit): the resumed epoch would skip into other rows. Sources are compared one by
+        one, so a resume that skips a phase reads fewer of them. The stamps go into the next checkpoints."""
+        kept = self.state.identity.get("data") or {}
+        changed = sorted(source for source, stamp in stamps.items() if kept.get(source, stamp) != stamp)
+        if self.checkpoint is not None and changed:
+            raise DistillError(
+                f"checkpoint {self.checkpoint} was trained on other data: {', '.join(changed)} changed since "
+                "(its files' size or time, or the Hub's commit); resume with the data it was trained on, or "
+                "start afresh in a new --output_dir"
+            )
+        self.state.identity["data"] = {**kept, **stamps}
 
     def finished(self, phase: str) -> bool:
         """Whether `phase` ended before the checkpoint (its figures are in the checkpoint's results)."""

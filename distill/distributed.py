@@ -7,9 +7,8 @@
   CPU processes over gloo (`ACCELERATE_USE_CPU=true`, without which each CPU process would train alone).
 - `main_decides`: the main process decides (probes a folder, picks a checkpoint, fits a basis) and every
   process learns the verdict, or the error, so all of them stop together and none waits alone.
-- `everyone`, `smallest`: agreements across ranks.
-- `rank`, `world_size`, `is_first_rank`: this process's place, for the code that runs before an Accelerator
-  exists (the command line, signal handlers).
+- `everyone`, `smallest`: agreements across ranks; `machine_first`: work done once per machine.
+- `rank`, `world_size`, `is_first_rank`: this process's place, before an Accelerator exists.
 
 No other module reads rank variables from the environment or branches on the main process, except the leaf
 writers (the cache writer, the exporter, the checkpoint and results writers), each followed by a barrier.
@@ -114,6 +113,14 @@ def speaks_for_the_job() -> bool:
     return is_first_rank() and not os.environ.get(RELAUNCHED)
 
 
+def job_id() -> str:
+    """What this job's processes share and no other live job does (the rendezvous address; this process for a job of
+    one): written into the locks it takes, so a lock held by a machine of the same job is told from another run's."""
+    if world_size() > 1 and "MASTER_ADDR" in os.environ:
+        return f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '')}"
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
 def elastic_restart() -> bool:
     """Whether torchelastic restarted this group after a failure (`--max_restarts`)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -123,15 +130,9 @@ def strip_flag(argv: list[str], flag: str) -> list[str]:
     """argv without `--flag VALUE` / `--flag=VALUE`."""
     out, skip = [], False
     for arg in argv:
-        if skip:
-            skip = False
-            continue
-        if arg == f"--{flag}":
-            skip = True
-            continue
-        if arg.startswith(f"--{flag}="):
-            continue
-        out.append(arg)
+        if not skip and arg != f"--{flag}" and not arg.startswith(f"--{flag}="):
+            out.append(arg)
+        skip = arg == f"--{flag}" and not skip  # the next one is its value
     return out
 
 
@@ -339,15 +340,12 @@ def check_precision(mixed_precision: str | None) -> None:
 
 
 def compile_plugin() -> TorchDynamoPlugin:
-    """torch.compile as Accelerate applies it in `prepare`: regional, with dynamic shapes.
-
-    The backend is inductor, or the one `accelerate launch --dynamo_backend` names (ACCELERATE_DYNAMO_BACKEND;
-    aot_eager and eager compile no kernels, to debug).
-
-    Regional compilation compiles the repeated transformer layer once and reuses the graph for the others,
-    so compiling takes seconds rather than minutes. Shapes are dynamic because padded lengths change from
-    batch to batch; left unset, `accelerate launch` passes its `--dynamo_use_dynamic` default (False), and
-    every new length recompiles until dynamo's recompile limit (8) makes the rest run uncompiled.
+    """torch.compile as Accelerate applies it in `prepare`: regional, with dynamic shapes. The backend is inductor,
+    or the one `accelerate launch --dynamo_backend` names (ACCELERATE_DYNAMO_BACKEND; aot_eager and eager compile
+    no kernels, to debug). Regional compilation compiles the repeated transformer layer once and reuses the graph
+    for the others, so compiling takes seconds rather than minutes. Shapes are dynamic because padded lengths change
+    from batch to batch; left unset, `accelerate launch` passes its `--dynamo_use_dynamic` default (False), and every
+    new length recompiles until dynamo's recompile limit (8) makes the rest run uncompiled.
     With mixed_precision no on CUDA, Accelerate also turns on TF32 matmuls whenever a backend is set.
     """
     backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower()
@@ -382,12 +380,25 @@ def everyone(accelerator: Accelerator, flag: bool) -> bool:
     return smallest(accelerator, int(flag)) == 1
 
 
+ONCE_TIMEOUT = timedelta(days=2)  # reading or tokenizing a corpus once per machine: hours, not ddp_timeout's minutes
+_ONCE_GROUP: list = []  # the gloo group `machine_first` waits in, made once per process
+
+
 @contextmanager
 def machine_first() -> Iterator[None]:
-    """Each machine's first process runs the block, then the machine's others do (accelerate's
-    `local_main_process_first`): work kept on a machine's disk is done there once."""
-    with PartialState().local_main_process_first():
-        yield
+    """Each machine's first process runs the block, then the machine's others do: work kept on a machine's disk is
+    done there once. accelerate's `local_main_process_first` waits within --ddp_timeout, which reading and
+    tokenizing a large corpus can outlast; here they wait in a gloo group of their own, with ONCE_TIMEOUT (a
+    process that dies closes its connections, so the others fail at once)."""
+    state = PartialState()
+    several, first = state.num_processes > 1, state.is_local_main_process
+    if several and not _ONCE_GROUP:  # collective: every process makes it at its first block
+        _ONCE_GROUP.append(dist.new_group(backend="gloo", timeout=ONCE_TIMEOUT))
+    if several and not first:
+        dist.barrier(group=_ONCE_GROUP[0])
+    yield
+    if several and first:
+        dist.barrier(group=_ONCE_GROUP[0])
 
 
 def agreed(accelerator: Accelerator, flags: np.ndarray) -> np.ndarray:
@@ -411,10 +422,8 @@ _HOST_GROUP: list = []  # the gloo group `any_process` agrees over, made once pe
 
 
 def host_group(accelerator: Accelerator) -> object | None:
-    """A process group whose collectives run on the CPU: the default group on CPUs, a gloo group beside NCCL.
-
-    Made on every process at the same point (`new_group` is collective); None for one process.
-    """
+    """A process group whose collectives run on the CPU: the default group on CPUs, a gloo group beside NCCL (made
+    on every process at the same point: `new_group` is collective); None for one process."""
     if accelerator.num_processes == 1:
         return None
     if not _HOST_GROUP:
@@ -424,12 +433,8 @@ def host_group(accelerator: Accelerator) -> object | None:
 
 
 def any_process(accelerator: Accelerator, flags: tuple[bool, ...]) -> tuple[bool, ...]:
-    """Each flag or-ed over every process, agreed on the CPU: the GPU's queue is neither waited for nor touched.
-
-    The training loop agrees on a stop signal (SIGTERM, Ctrl-C) every optimizer step this way, so every
-    process stops at the same step, without the per-step GPU synchronisation a device collective read by the
-    host would cost.
-    """
+    """Each flag or-ed over every process, agreed on the CPU: the GPU's queue is neither waited for nor touched. The
+    loop agrees on a stop signal every step this way, without the GPU synchronisation a device collective costs."""
     group = host_group(accelerator)
     if group is None:
         return flags

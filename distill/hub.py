@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distill.errors import DistillError
-from distill.files import bytes_bar, read_json
+from distill.files import bytes_bar, read_json, unique_suffix
 
 if TYPE_CHECKING:
     import torch
@@ -108,7 +108,7 @@ def _write_memo(memo: Path, digests: dict) -> None:
     """Atomically; a memo that cannot be written only costs the next run a re-read."""
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
-        staging = memo.parent / f".{memo.name}.tmp-{os.getpid()}"
+        staging = memo.parent / f".{memo.name}.tmp-{unique_suffix()}"
         staging.write_text(json.dumps(digests, indent=1, sort_keys=True))
         os.replace(staging, memo)
     except OSError:

@@ -24,7 +24,14 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from distill.allocator import release_freed_memory
-from distill.checkpoint import TrainingState, load_checkpoint, save_checkpoint, set_rng
+from distill.checkpoint import (
+    CheckpointSettings,
+    TrainingState,
+    end_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    set_rng,
+)
 from distill.config.schema import PerformanceConfig, TrainingConfig
 from distill.distributed import any_process, progress_bar
 from distill.errors import TrainingStopped, memory_message
@@ -36,13 +43,6 @@ from distill.students.head import DistillationModel
 logger = get_logger(__name__)
 
 TRIM_EVERY = 50  # optimizer steps between heap trims (see release_freed_memory); 0 disables
-
-
-@dataclass
-class CheckpointSettings:
-    output_dir: Path
-    every: int  # optimizer steps between checkpoints; 0 disables periodic checkpoints
-    limit: int  # checkpoints kept
 
 
 READ_EVERY = 16  # optimizer steps between the host's reads of the losses (and before checkpoints, evaluations, ends)
@@ -353,7 +353,7 @@ def train_phase(
         if evaluate is not None:
             clock.pause(lambda: evaluate(run.plain, state.optimizer_steps))
 
-    rng = resume_phase(accelerator, phase, run, state, resume)
+    rng, steps_before = resume_phase(accelerator, phase, run, state, resume), state.optimizer_steps
     clock = Clock(state.train_seconds)  # a resumed phase goes on counting from its checkpoint
     guard, window = Guard(accelerator, phase, run, checkpoint), Window(accelerator, run, phase, state)
     run.wrapped.train()
@@ -387,6 +387,7 @@ def train_phase(
     finally:
         progress.close()
     state.epoch, state.train_seconds = phase.settings.epochs, clock.seconds()
+    checkpoints.saved_at_end = end_checkpoint(state, checkpoints, resume, steps_before, checkpoint)
     accelerator.free_memory()  # forget this phase's optimizer, scheduler and loader; the next phase re-prepares
     return run.plain
 

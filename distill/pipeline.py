@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,18 +32,19 @@ from accelerate.utils import set_seed
 
 from distill.allocator import heap_allocator, release_freed_memory
 from distill.checkpoint import PHASES as PHASE_ORDER
-from distill.checkpoint import Resume, TrainingState, resume_requested
+from distill.checkpoint import CheckpointSettings, Resume, TrainingState, resume_requested
 from distill.config.flags import to_flat_dict
 from distill.config.schema import Config
-from distill.distributed import machine_share, main_decides, make_accelerator, on_main_process
-from distill.errors import OutOfMemory
+from distill.distributed import any_process, machine_share, main_decides, make_accelerator, on_main_process
+from distill.errors import OutOfMemory, TrainingStopped
 from distill.files import folder_bytes
-from distill.loop import CheckpointSettings, train_phase, training_memory_message
+from distill.loop import train_phase, training_memory_message
 from distill.metrics import score
 from distill.phases import Phase, PhaseSettings, check_phase_sizes, make_phases, phase_settings
 from distill.prepared import prepared_data
-from distill.report import check_output_dir, prepare_output_dir, results_table, write_results
+from distill.report import check_output_dir, prepare_output_dir, release_output_dir, results_table, write_results
 from distill.results import PhaseFigures, RunResults
+from distill.signals import PREEMPTION
 from distill.stages.candidates import check_candidates, score_candidates
 from distill.stages.cost import CostTexts, Efficiency, measure_student
 from distill.stages.data import DistillData
@@ -92,6 +95,7 @@ def run(config: Config) -> RunResults:
         check_phase_sizes(phases, data, config.training.batch_size, accelerator.num_processes)
         if config.reranker.reranker_model is not None:
             check_candidates(data, config.data.mine_hard_negatives)
+        resume.check_data(data.stamps)  # a resume trains on the data its checkpoint was trained on
     costs = CostTexts.from_data(data, config.output.efficiency_texts, config.training.batch_size, config.training.seed)
     onnx = onnx_wanted(config.output.export_onnx, accelerator.device)  # `true` without the extra: one line, now
     with stage("teacher"):  # the teacher's own cost is measured while it is loaded: it is never loaded twice
@@ -102,11 +106,10 @@ def run(config: Config) -> RunResults:
         evaluation = eval_inputs(model.student, data, teacher.evaluation, bases["phase2"], tokens)
     output_dir = prepare_output_dir(accelerator, config)  # inputs are valid: from here on the run writes
     accelerator.init_trackers(config.output.tracker_project, config=tracker_config(config))
-    state = resume.state
-    state.results.capped = data.capped or None  # a cap the data reached, said in the log as well
-    state.results.reranker = teacher.reranker
+    state = resume.started(data.capped, teacher.reranker)
     with stage("evaluation before training"):
         evaluate_baseline(accelerator, config, model, state, evaluation, dims, teacher)
+    trained_model = None  # the checkpoint saved as training ended
     for phase in phases:
         if resume.finished(phase.name):
             continue
@@ -118,14 +121,21 @@ def run(config: Config) -> RunResults:
             evaluations = PhaseEvaluation(accelerator, evaluation, dims, phase.name, state, batch, keep)
         with stage(phase.name):
             checkpoint = resume.checkpoint_for(phase.name)
-            model = train_stage(accelerator, config, model, phase, data, teacher, state, evaluations, checkpoint)
-            record_phase(state, phase, teacher, model, evaluations, phase.samples(data), final=phase is phases[-1])
+            last = phase is phases[-1]
+            model, trained_model = train_stage(
+                accelerator, config, model, phase, data, teacher, state, evaluations, checkpoint, at_end=last
+            )
+            record_phase(state, phase, teacher, model, evaluations, phase.samples(data), final=last)
     with stage("cost"):
+        stop_if_signalled(accelerator, trained_model)
         efficiency = cost_stage(accelerator, config, model, teacher, costs)
+        stop_if_signalled(accelerator, trained_model)
         forms = forms_stage(accelerator, config, model, data, costs, efficiency, state.results, onnx)
     with stage("export"):
+        stop_if_signalled(accelerator, trained_model)
         results = export_stage(accelerator, config, model, state, teacher, efficiency, student, forms)
         path = write_results(accelerator, output_dir, results)
+        forget_end_checkpoint(accelerator, config, trained_model)
     exported = (results.exported or {}).get("model")
     if config.output.push_to_hub and exported:  # after results.json: an upload never costs the results
         with stage("publish"):
@@ -279,13 +289,16 @@ def train_stage(
     state: TrainingState,
     evaluations: PhaseEvaluation | None,
     resume: Path | None,
-) -> DistillationModel:
-    """One phase trained from its start, or from the checkpoint `resume`; returns the trained model."""
+    at_end: bool = False,
+) -> tuple[DistillationModel, Path | None]:
+    """One phase trained from its start, or from the checkpoint `resume`; the trained model, and with `at_end` the
+    checkpoint of it saved as its training ended."""
     loader = phase.loader(model.student, data, teacher)
     checkpoints = CheckpointSettings(
         Path(config.output.output_dir).expanduser(),
         config.checkpoint.checkpoint_steps,
         config.checkpoint.checkpoints_total_limit,
+        at_end,
     )
     periodic = evaluations.periodic if evaluations is not None else None
     try:
@@ -298,7 +311,37 @@ def train_stage(
         )
         raise OutOfMemory(message) from None
     release_freed_memory()
-    return model
+    return model, checkpoints.saved_at_end
+
+
+def stop_if_signalled(accelerator: Accelerator, trained_model: Path | None) -> None:
+    """Between the stages after training: a SIGTERM or Ctrl-C noted since ends the run here, agreed by every process.
+    The checkpoint saved as training ended holds all the later stages need, so a scheduler's grace period is never
+    spent on them and its SIGKILL costs nothing."""
+    terminated, interrupted = any_process(accelerator, (PREEMPTION.requested, PREEMPTION.interrupted))
+    if not (terminated or interrupted):
+        return
+    name, code = ("SIGTERM", 143) if terminated else ("SIGINT", 130)
+    PREEMPTION.clear()
+    raise TrainingStopped(
+        f"stopped by {name} after training; the trained student is in checkpoint {trained_model}; continue with "
+        "--resume_from_checkpoint latest, which evaluates and exports it without training again",
+        exit_code=code,
+    )
+
+
+def forget_end_checkpoint(accelerator: Accelerator, config: Config, trained_model: Path | None) -> None:
+    """Once the export and results.json are in place, the checkpoint saved as training ended goes, unless the run
+    keeps checkpoints (--checkpoint_steps): then it is the run's last, as the user asked."""
+    if trained_model is None or config.checkpoint.checkpoint_steps:
+        return
+
+    def remove() -> None:
+        shutil.rmtree(trained_model, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the folder goes too where nothing else is in it
+            trained_model.parent.rmdir()
+
+    on_main_process(accelerator, remove)
 
 
 def record_phase(
@@ -433,6 +476,7 @@ def finish(accelerator: Accelerator, results: RunResults, path: Path) -> RunResu
     accelerator.print(f"\n{table}\n" + (f"\n{trade_off}\n" if trade_off else "") + f"\nresults: {path}")
     accelerator.wait_for_everyone()  # not while rank 0 still writes
     accelerator.end_training()
+    release_output_dir()  # another run may use the folder now
     return results
 
 

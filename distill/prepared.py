@@ -36,7 +36,7 @@ import pyarrow as pa
 from distill.config.schema import DataConfig
 from distill.distributed import machine_first, main_decides
 from distill.errors import DistillError
-from distill.files import mark_used, read_json, staged_folder
+from distill.files import check, mark_used, read_json, staged_folder
 from distill.hub import dataset_revision
 from distill.records import EMBEDDED, pinned, resolve_source
 from distill.stages.data import (
@@ -144,6 +144,19 @@ def prepared_data(
     (without a folder, or with phase data from a Hub dataset whose commit the Hub cannot name: read here). A Hub
     dataset is read at the commit the main process was told, on every machine."""
     commits = hub_commits(config, need_phase1, need_phase2)
+    data = prepared_data_pinned(config, seed, need_phase1, need_phase2, folder, commits)
+    return dataclasses.replace(data, stamps=source_stamps(config, need_phase1, need_phase2, commits))
+
+
+def prepared_data_pinned(
+    config: DataConfig,
+    seed: int,
+    need_phase1: bool,
+    need_phase2: bool,
+    folder: Path | None,
+    commits: dict[str, str | None],
+) -> DistillData:
+    """`prepared_data` once the Hub's commits are known, read at those commits."""
     with pinned(commits):
         evaluated = hub_dataset(source_name(config.eval_data))
         if folder is not None and evaluated is not None and commits.get(evaluated) is None:
@@ -173,8 +186,10 @@ def prepared_data_at(
 def kept_data(config: DataConfig, seed: int, need_phase1: bool, need_phase2: bool, entry: Path) -> DistillData:
     """The data of `entry`, read and written there first by the machine's first process if it is not there yet."""
     with machine_first():  # the machine's first process reads the data; the others map what it wrote
-        kept = (entry / "fields.json").is_file()
-        read = None if kept else read_and_keep(config, seed, need_phase1, need_phase2, entry)
+        problem = check(entry)
+        if problem is not None and entry.exists():
+            warn(f"kept data {entry} is {problem}; reading the data again")
+        read = None if problem is None else read_and_keep(config, seed, need_phase1, need_phase2, entry)
     if isinstance(read, DistillError):
         raise read  # after the block: the machine's other processes meet it reading the same data, none waits alone
     return load(entry, replay=True) if read is None else read
@@ -197,6 +212,20 @@ def read_and_keep(
         return data
     del data
     return load(entry, replay=False)
+
+
+def source_stamps(
+    config: DataConfig, need_phase1: bool, need_phase2: bool, commits: dict[str, str | None]
+) -> dict[str, str]:
+    """Each source read -> a digest of its stamp (its files' sizes and times, or its Hub commit): what a resumed run
+    compares with its checkpoint's, source by source (a resume may skip a phase, and so read fewer sources). A Hub
+    dataset with no commit has none."""
+    stamps = {source: source_stamp(source, commits) for source in sources_read(config, need_phase1, need_phase2)}
+    return {
+        source: hashlib.sha256(json.dumps(stamp, default=str).encode()).hexdigest()[:16]
+        for source, stamp in stamps.items()
+        if stamp is not None
+    }
 
 
 def data_key(
@@ -324,7 +353,6 @@ def write_entry(data: DistillData, said: list[str], staging: Path) -> None:
         "said": said,
         "evaluation": None if data.evaluation is None else dataclasses.asdict(data.evaluation),
     }
-    # written last: its presence marks the entry whole
     (staging / "fields.json").write_text(json.dumps(fields, default=plain))
 
 

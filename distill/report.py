@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -14,11 +15,12 @@ from accelerate import Accelerator
 from distill.checkpoint import checkpoint_root, list_checkpoints
 from distill.config.flags import dump_config
 from distill.config.schema import Config
-from distill.distributed import main_decides, on_main_process
+from distill.distributed import job_id, main_decides, on_main_process
 from distill.errors import DistillError
-from distill.files import write_atomic, write_json_atomic
+from distill.files import unique_suffix, write_atomic, write_json_atomic
 from distill.results import ROWS, RunResults
 from distill.stages.tradeoff import cost_table, trade_off_line
+from distill.store import claim, holder
 
 logger = logging.getLogger(__name__)
 
@@ -89,12 +91,13 @@ def check_output_dir(accelerator: Accelerator, path: str, fresh: bool = False) -
     The main process probes and tells every process the verdict, so all of them stop, none waits alone.
     """
     output_dir = Path(path).expanduser()
-    main_decides(accelerator, lambda: probe_output_dir(output_dir, fresh))
+    main_decides(accelerator, lambda: probe_output_dir(output_dir, fresh, hold=True))
     return output_dir
 
 
-def probe_output_dir(output_dir: Path, fresh: bool) -> None:
-    """Raise a DistillError if `output_dir` holds an earlier run (when `fresh`) or cannot be written."""
+def probe_output_dir(output_dir: Path, fresh: bool, hold: bool = False) -> None:
+    """Raise a DistillError if `output_dir` holds an earlier run (when `fresh`), cannot be written, or another live
+    run holds it; with `hold`, this process holds it from now on (`hold_output_dir`)."""
     earlier = list_checkpoints(checkpoint_root(output_dir)) if fresh else []
     if earlier:
         raise DistillError(
@@ -105,17 +108,79 @@ def probe_output_dir(output_dir: Path, fresh: bool) -> None:
     missing = [p for p in [output_dir, *output_dir.parents] if not p.exists()]
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
-        probe = output_dir / f".write-test-{os.getpid()}"
+        probe = output_dir / f".write-test-{unique_suffix()}"
         probe.write_text("ok")
         probe.unlink()
+        if hold:
+            hold_output_dir(output_dir, missing)
+        elif claim_free(output_dir / RUN_LOCK) is False:
+            raise DistillError(busy(output_dir))
     except OSError as e:
         raise DistillError(
             f"output_dir {str(output_dir)!r} is not writable ({e.strerror or e}); pass a writable --output_dir"
         ) from None
     finally:
-        for folder in missing:  # deepest first
-            if folder.is_dir() and not any(folder.iterdir()):
-                folder.rmdir()
+        if not HELD:
+            remove_empty(missing)
+
+
+RUN_LOCK = ".distill-run.lock"
+HELD: list[tuple[int, Path, list[Path]]] = []  # this process's hold on its output_dir: (fd, lock file, folders made)
+
+
+def hold_output_dir(output_dir: Path, made: list[Path]) -> None:
+    """Hold `<output_dir>/.distill-run.lock` (flock) for the run's life, so a second run there refuses in one line
+    while this one is alive: two runs would mix their checkpoints and results. A lock dies with its process (a
+    crash, a SIGKILL, a requeue), so a run that resumes is never locked out. Where the filesystem has no locks,
+    nothing is held, and that is said."""
+    if HELD:
+        return
+    taken = claim(output_dir / RUN_LOCK, job_id())
+    if taken.held:
+        raise DistillError(busy(output_dir))
+    if taken.fd is None:
+        logger.warning(
+            f"output_dir {output_dir} takes no file locks ({taken.unsupported}); nothing keeps a second run from "
+            "writing there at the same time"
+        )
+        return
+    HELD.append((taken.fd, output_dir / RUN_LOCK, made))
+
+
+def busy(output_dir: Path) -> str:
+    who = holder(output_dir / RUN_LOCK)
+    return (
+        f"output_dir {str(output_dir)!r} is in use by another run (host {who.get('host', '?')}, pid "
+        f"{who.get('pid', '?')}); wait for it to end, or pass another --output_dir"
+    )
+
+
+def claim_free(lock: Path) -> bool | None:
+    """Whether nobody holds `lock` (None: no locks there), tried and let go at once; a lock file it made goes."""
+    if not lock.exists():
+        return True
+    taken = claim(lock)
+    if taken.fd is None:
+        return None if taken.unsupported else False
+    os.close(taken.fd)
+    return True
+
+
+def release_output_dir() -> None:
+    """Let go of the output_dir's lock (the lock file goes while still held), and of the folders the probe made
+    where nothing else came into them."""
+    while HELD:
+        fd, lock, made = HELD.pop()
+        with contextlib.suppress(OSError):
+            lock.unlink()
+        os.close(fd)
+        remove_empty(made)
+
+
+def remove_empty(folders: list[Path]) -> None:
+    for folder in folders:  # deepest first
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
 
 
 def prepare_output_dir(accelerator: Accelerator, config: Config) -> Path:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -23,7 +24,9 @@ from typing import Any
 import numpy as np
 
 from distill.distributed import machine_first
-from distill.files import mark_used, read_json, staged_folder
+from distill.files import check, mark_used, read_json, staged_folder
+
+logger = logging.getLogger(__name__)  # said by the machine's process that tokenizes
 
 TOKENS_FORMAT = 1
 
@@ -70,8 +73,16 @@ def cached_tokens(
     key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:32]
     entry = folder / key
     with machine_first():  # the machine's first process tokenizes; the others read what it wrote
-        if not (entry / "fields.json").is_file():
-            save(make(tokenizer, texts, **kwargs), entry)
+        problem = check(entry)
+        if problem is not None:
+            if entry.exists():
+                logger.warning(f"token cache entry {entry} is {problem}; tokenizing again")
+            tokenized = make(tokenizer, texts, **kwargs)
+            try:
+                save(tokenized, entry)
+            except OSError as e:  # a full or read-only disk: this process keeps its tokens in memory
+                logger.warning(f"cannot keep the tokens under {folder} ({e.strerror or e}); each process tokenizes")
+                return tokenized
     return load(cls, entry)
 
 
@@ -84,7 +95,6 @@ def save(tokenized: Any, entry: Path) -> None:
                 np.save(staging / f"{name}.npy", value)
             else:
                 fields[name] = value
-        # written last: its presence marks the entry whole
         (staging / "fields.json").write_text(json.dumps(fields, default=lambda value: value.item()))
 
 

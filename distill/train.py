@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         signals = sys.modules.get("distill.signals")
         if signals is not None:  # training began: Ctrl-C interrupts at once again
             signals.release_stop_signals()
+        reports = sys.modules.get("distill.report")
+        if reports is not None:  # another run may use the output_dir now
+            reports.release_output_dir()
 
 
 def train(config: Config, argv: list[str]) -> int:

@@ -46,8 +46,11 @@ def make_entry(cache_dir: Path, key: str, count: int = 4, dim: int = 3, age_days
     return entry
 
 
-def make_partial(cache_dir: Path, key: str, host: str = HOST, done: int = 16, count: int = 40, age_days: float = 0.0):
-    staging = cache_dir / f".{key}.partial-{host}"
+def make_partial(
+    cache_dir: Path, key: str, legacy_host: str = "", done: int = 16, count: int = 40, age_days: float = 0.0
+) -> Path:
+    """An interrupted encoding, as CacheWriter leaves it (`legacy_host`: as an earlier distill named it per host)."""
+    staging = cache_dir / (f".{key}.partial-{legacy_host}" if legacy_host else f".{key}.partial")
     staging.mkdir(parents=True)
     np.save(staging / "embeddings.npy", np.zeros((count, 3), dtype=np.float16))
     progress = {"key": key, "count": count, "rows_done": done, "role": "query", "teacher": "org/teacher-7b"}
@@ -85,7 +88,7 @@ def test_list_shows_entries_and_interrupted_encodings(tmp_path: Path) -> None:
     assert report[0].split() == ["KEY", "STATE", "TEACHER", "ROLE", "TEXTS", "DIM", "SIZE", "LAST", "USED"]
     assert report[1].split()[:6] == [key(1), "entry", "org/teacher-7b", "document", "4", "3"]
     assert report[1].endswith("3 days ago")
-    assert report[2].split()[:7] == [key(2), "partial", "16/40", "on", HOST, "org/teacher-7b", "query"]
+    assert report[2].split()[:5] == [key(2), "partial", "16/40", "org/teacher-7b", "query"]
     assert report[2].endswith("today")
     assert report[3].startswith(f"{tmp_path}: 1 entries (")
     other = human_bytes(du(partial / "embeddings.npy", partial / "progress.json"))
@@ -112,18 +115,20 @@ def test_prune_removes_only_what_no_run_can_use(tmp_path: Path) -> None:
     kept = [
         make_entry(tmp_path, key(1), age_days=400),  # old, but no --unused_days
         make_partial(tmp_path, key(2)),  # resumable
-        make_partial(tmp_path, key(3), host="other-node"),  # another machine's: only by age
-        tmp_path / f".{key(4)}.tmp-{HOST}-{os.getpid()}",  # a live process is staging
-        tmp_path / f".{key(2)}.lock-{HOST}",  # its partial is still there
+        make_partial(tmp_path, key(3), legacy_host="other-node"),  # an earlier distill's, of another machine: by age
+        tmp_path / f".{key(4)}.tmp-{HOST}-{os.getpid()}-0123abcd",  # a live process is staging
+        tmp_path / f".{key(2)}.lock",  # its partial is still there
         tmp_path / "notes.txt",  # not ours
+        tmp_path / f".{key(9)}.tmp-other-node-{dead_pid()}-0123abcd",  # a pid of another machine tells nothing here
+        tmp_path / f".{key(10)}.stale-other-node-{dead_pid()}-0123abcd",
     ]
     removed = [
-        tmp_path / f".{key(5)}.tmp-{HOST}-{dead_pid()}",
-        tmp_path / f".{key(6)}.stale-{dead_pid()}",
-        tmp_path / f".{key(7)}.lock-{HOST}",  # nobody holds it, no partial
+        tmp_path / f".{key(5)}.tmp-{HOST}-{dead_pid()}-0123abcd",
+        tmp_path / f".{key(6)}.stale-{HOST}-{dead_pid()}-0123abcd",
+        tmp_path / f".{key(7)}.lock",  # nobody holds it, no partial
         make_entry(tmp_path, key(8)),
     ]
-    for folder in (kept[3], removed[0], removed[1]):
+    for folder in (kept[3], kept[6], kept[7], removed[0], removed[1]):
         folder.mkdir()
         (folder / "embeddings.npy").write_bytes(b"\0" * 1000)
     for lock in (kept[4], removed[2]):
@@ -146,23 +151,23 @@ def test_prune_removes_only_what_no_run_can_use(tmp_path: Path) -> None:
 def test_prune_by_age_keeps_what_was_used_recently(tmp_path: Path) -> None:
     old_entry, new_entry = make_entry(tmp_path, key(1), age_days=40), make_entry(tmp_path, key(2), age_days=5)
     old_partial = make_partial(tmp_path, key(3), age_days=40)
-    old_remote = make_partial(tmp_path, key(4), host="other-node", age_days=40)
+    old_remote = make_partial(tmp_path, key(4), legacy_host="other-node", age_days=40)
     lines = prune(tmp_path, unused_days=30)
     assert not old_entry.exists() and not old_partial.exists() and not old_remote.exists()
     assert new_entry.exists()
     assert any(line.endswith("an interrupted encoding, unused for 40.0 days") for line in lines)
-    assert not list((tmp_path).glob(f".{key(3)}.lock-*"))  # the lock it was removed under is gone too
+    assert not list((tmp_path).glob(f".{key(3)}.lock*"))  # the lock it was removed under is gone too
 
 
 def test_a_partial_being_written_is_never_removed(tmp_path: Path) -> None:
     partial = make_partial(tmp_path, key(1), age_days=40)
-    lock = claim(tmp_path / f".{key(1)}.lock-{HOST}")  # a run on this machine is encoding into it
+    lock = claim(tmp_path / f".{key(1)}.lock").fd  # a run is encoding into it
     assert lock is not None
     try:
         assert prune(tmp_path, unused_days=0) == [f"freed 0 B in {tmp_path}"]
         assert partial.exists()
         (row,) = [line for line in list_cache(tmp_path).splitlines() if " partial " in line]
-        assert f"partial 16/40 on {HOST} (encoding now)" in row
+        assert "partial 16/40 (encoding now)" in row
     finally:
         os.close(lock)
 

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +23,8 @@ from safetensors.torch import load_file
 from conftest import reset_accelerate, shared_folder, tiny_run_flags
 from distill.checkpoint import TrainingState, find_checkpoint, list_checkpoints, read_state
 from distill.errors import DistillError
+from distill.files import check
+from distill.store import KEY
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -342,6 +345,12 @@ def test_two_machines_of_one_process_match_one_machine_of_two(reference, tiny_mo
         assert machine.returncode == 0, stderr[-4000:]
     assert json.loads((out / "results.json").read_text())["world_size"] == 2
     assert max_difference(weights(out), reference[2]) <= 1e-6
+    # one cache folder stands for a filesystem both machines share: one machine wrote each entry (the other, of the
+    # same job, read it), each entry is whole, and neither left a staging folder or a lock behind
+    kept = sorted((tmp_path / "cache").iterdir())
+    assert [p.name for p in kept if p.name.startswith(".")] == []
+    assert [p.name for p in kept if KEY.fullmatch(p.name) and check(p) is not None] == []
+    assert not (out / "checkpoints").exists()  # the end-of-training checkpoint went once the export was in place
 
 
 def test_non_finite_loss_stops_with_a_checkpoint_from_before_it(tiny_models, tiny_data, tmp_path, capsys):
@@ -634,3 +643,100 @@ def test_a_non_finite_loss_on_one_process_stops_every_process_at_the_same_step(t
     assert state.losses == read_state(reference, {}).losses
     got, want = (load_file(str(c / "model.safetensors")) for c in (left[0], reference))
     assert max_difference(got, want) == 0.0
+
+
+def test_a_sigterm_after_training_keeps_the_trained_model_and_the_resume_only_exports(
+    evaluated_run, tiny_models, tiny_data, tmp_path, monkeypatch, capsys
+):
+    """SIGTERM during the cost stage, after the last step: the run stops with 143 at the next stage, and the
+    checkpoint saved as training ended holds the trained student (the signal used to be noted and ignored, and a
+    scheduler's SIGKILL after its grace period left no checkpoint and no model). A resume after the data file changed
+    is refused in one line; with the data as it was, it trains nothing, ends as the uninterrupted run, and removes
+    the checkpoint (this run keeps none)."""
+    from distill import pipeline
+    from distill.signals import PREEMPTION
+    from distill.train import main
+
+    texts = tmp_path / "texts.txt"
+    shutil.copy2(tiny_data["texts"], texts)
+    out = tmp_path / "late"
+    argv = short_run_flags(tiny_models, {**tiny_data, "texts": texts}, out, tmp_path / "cache")
+    real_cost = pipeline.cost_stage
+
+    def sigterm_then_cost(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_cost(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "cost_stage", sigterm_then_cost)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert main(argv) == 143
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        PREEMPTION.requested = False
+    assert "stopped by SIGTERM after training; the trained student is in checkpoint" in capsys.readouterr().err
+    assert find_checkpoint(out, "latest").name == "checkpoint-phase1-0000006"
+    assert not (out / "results.json").exists()
+    monkeypatch.undo()
+
+    stat = texts.stat()
+    os.utime(texts, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # edited since
+    reset_accelerate()
+    assert main([*argv, "--resume_from_checkpoint", "latest"]) == 2
+    assert f"was trained on other data: {texts} changed since" in capsys.readouterr().err
+    os.utime(texts, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    reset_accelerate()
+    from distill import loop
+
+    steps = []
+    real_step = loop.train_step
+    monkeypatch.setattr(loop, "train_step", lambda *args: steps.append(1) or real_step(*args))
+    assert main([*argv, "--resume_from_checkpoint", "latest"]) == 0
+    assert steps == []  # trained nothing
+    got, want = (json.loads((run / "results.json").read_text()) for run in (out, evaluated_run))
+    assert got["phases"]["phase1"]["optimizer_steps"] == 6
+    assert len(got["evaluations"]["phase1"]) == len(want["evaluations"]["phase1"]) == 3
+    for ours, theirs in zip(got["evaluations"]["phase1"], want["evaluations"]["phase1"]):
+        assert ours == pytest.approx(theirs, abs=1e-6)
+    assert got["student_after"]["ranks@10"] == want["student_after"]["ranks@10"]
+    assert got["student_after"]["ndcg@10"] == pytest.approx(want["student_after"]["ndcg@10"], abs=1e-6)
+    assert not (out / "checkpoints").exists()
+
+
+def test_latest_and_the_rotation_go_by_save_order_and_skip_a_torn_checkpoint(accelerator, tmp_path):
+    """Resumed from step 100 while 200 and 300 exist: the new save at 150 is `latest`, and the rotation removes the
+    abandoned ones (by step, it used to remove each new save). A save a crash tore (a file cut short) is skipped by
+    `latest` with a warning, and named when asked for."""
+    from distill.checkpoint import save_checkpoint
+
+    for steps in (100, 200, 300):
+        save_checkpoint(accelerator, tmp_path, TrainingState(optimizer_steps=steps), limit=3)
+    save_checkpoint(accelerator, tmp_path, TrainingState(optimizer_steps=150), limit=2)
+    names = [p.name for p in list_checkpoints(tmp_path / "checkpoints")]
+    assert names == ["checkpoint-phase1-0000300", "checkpoint-phase1-0000150"]
+    newest = find_checkpoint(tmp_path, "latest")
+    assert newest.name == "checkpoint-phase1-0000150"
+
+    torn = next(p for p in newest.iterdir() if p.name not in ("state.json", "contents.json"))
+    torn.write_bytes(torn.read_bytes()[:10])
+    assert find_checkpoint(tmp_path, "latest").name == "checkpoint-phase1-0000300"
+    with pytest.raises(DistillError, match=rf"checkpoint-phase1-0000150' is torn \({torn.name}: 10 bytes"):
+        find_checkpoint(tmp_path, str(newest))
+    save_checkpoint(accelerator, tmp_path, TrainingState(optimizer_steps=160), limit=2)  # the torn one goes
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "checkpoint-phase1-0000160",
+        "checkpoint-phase1-0000300",
+    ]
+
+
+def test_a_resume_compares_each_source_it_reads(tmp_path):
+    """Sources are compared one by one: a resume that skips a phase reads fewer of them, and is not refused."""
+    from distill.checkpoint import Resume
+
+    resume = Resume(TrainingState(identity={"data": {"a.jsonl": "1", "b.jsonl": "2"}}), tmp_path)
+    resume.check_data({"b.jsonl": "2"})
+    with pytest.raises(DistillError, match="was trained on other data: b.jsonl changed since"):
+        resume.check_data({"a.jsonl": "1", "b.jsonl": "3"})
+    fresh = Resume(TrainingState())
+    fresh.check_data({"a.jsonl": "9"})
+    assert fresh.state.identity["data"] == {"a.jsonl": "9"}

@@ -252,3 +252,67 @@ def test_a_folder_that_refuses_the_data_leaves_each_process_reading_it(
     assert data.phase1_texts == load_data(config, seed=3).phase1_texts  # the lists as read
     assert any("cannot keep the data under" in r.getMessage() for r in caplog.records)
     assert blocked.read_text() == "not a folder"
+
+
+def test_a_torn_data_entry_is_read_again_with_one_line_and_pruned_as_corrupt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An `.arrow` cut short by a node crash used to be trusted because fields.json existed: every later run failed
+    on a raw pyarrow error, and `prune` counted the entry valid. Now the entry fails its check, `prune` lists it as
+    corrupt, and the next run reads the data again, saying so once."""
+    from distill.cache import prune
+
+    config = write_sources(tmp_path / "data")
+    cache = tmp_path / "cache"
+    first = prepared_data(config, 3, True, True, cache / "data")
+    (entry,) = (cache / "data").iterdir()
+    arrow = entry / "phase1.arrow"
+    written = arrow.stat().st_size
+    arrow.write_bytes(arrow.read_bytes()[:100])
+    del first
+    (line, _) = prune(cache, dry_run=True)
+    assert line.startswith(f"would remove {entry} (") and line.endswith(
+        "incomplete or corrupt (a run would rebuild it)"
+    )
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        again = prepared_data(config, 3, True, True, cache / "data")
+    said = [r.getMessage() for r in caplog.records if "kept data" in r.getMessage()]
+    line = f"kept data {entry} is torn (phase1.arrow: 100 bytes, {written} written); reading the data again"
+    assert len(said) == 1 and said[0].endswith(line)
+    assert list(again.phase1_texts) == list(load_data(config, seed=3).phase1_texts)
+
+
+MACHINE_FIRST = """
+import os, sys, time
+from datetime import timedelta
+from accelerate import PartialState
+from distill.distributed import machine_first
+
+state = PartialState(cpu=True, timeout=timedelta(seconds=3))  # --ddp_timeout 3
+with machine_first():
+    if state.is_local_main_process:
+        time.sleep(8)  # reading a corpus once for the machine, for longer than --ddp_timeout
+state.wait_for_everyone()
+open(sys.argv[1] + "." + os.environ["RANK"], "w").close()
+"""
+
+
+@pytest.mark.multiprocess
+def test_the_work_done_once_per_machine_may_outlast_the_ddp_timeout(tmp_path: Path) -> None:
+    """The machine's other processes wait for its first outside --ddp_timeout (accelerate's
+    `local_main_process_first` waited within it, and a large corpus ended the job the same way on every restart)."""
+    import subprocess
+    import sys
+    from socket import socket
+
+    with socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "driver.py").write_text(MACHINE_FIRST)
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
+    done = subprocess.run(
+        [*launch, str(tmp_path / "driver.py"), str(tmp_path / "done")], env=env, capture_output=True, text=True
+    )
+    assert all((tmp_path / f"done.{rank}").exists() for rank in (0, 1)), done.stderr[-3000:]

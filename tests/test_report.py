@@ -157,3 +157,27 @@ def test_the_loss_panels_legend_covers_no_curve_with_mid_phase_evaluations() -> 
     axes = figure.axes[0]
     legend, plot = axes.get_legend().get_window_extent(), axes.get_window_extent()
     assert legend.y1 <= plot.y0  # wholly below the plotting area
+
+
+def test_a_second_run_in_one_output_dir_is_refused_while_the_first_is_alive(tmp_path: Path) -> None:
+    """Two runs in one --output_dir mixed their checkpoints and results. The first holds a lock for its life; a
+    second one (another process: here the launcher's early check, and a run started elsewhere) refuses in one line.
+    Released, the lock file goes, and so does a folder the run made and left empty."""
+    import subprocess
+    import sys
+
+    from distill.report import probe_output_dir, release_output_dir
+
+    out = tmp_path / "out"
+    probe_output_dir(out, fresh=True, hold=True)
+    try:
+        busy = r"output_dir '.*out' is in use by another run \(host .+, pid \d+\); wait for it to end, or pass another"
+        with pytest.raises(DistillError, match=busy):
+            probe_output_dir(out, fresh=True)  # the launcher's check, which holds nothing
+        second = "from pathlib import Path; from distill.report import probe_output_dir as p; p(Path(%r), True, True)"
+        done = subprocess.run([sys.executable, "-c", second % str(out)], capture_output=True, text=True)
+        assert done.returncode != 0 and "is in use by another run" in done.stderr
+    finally:
+        release_output_dir()
+    assert not out.exists()
+    probe_output_dir(out, fresh=True)  # free again

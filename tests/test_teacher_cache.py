@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -256,7 +259,8 @@ def test_no_temporary_folders_left(accelerator: Accelerator, tiny_models: dict[s
     assert [p.name for p in entries] == sorted([cache.key(texts, "document"), cache.key(texts, "query")])
     assert not [p for p in entries if p.name.startswith(".")]
     for entry in entries:
-        assert sorted(p.name for p in entry.iterdir()) == ["embeddings.npy", "manifest.json", "texts.npy"]
+        names = sorted(p.name for p in entry.iterdir())
+        assert names == ["contents.json", "embeddings.npy", "manifest.json", "texts.npy"]
 
 
 def test_manifest_records_what_was_computed(
@@ -510,12 +514,14 @@ def test_an_interrupted_encoding_is_continued_not_started_over(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """The next run continues it, on whatever host it is requeued (the folder's name holds no host name)."""
     cache_dir = tmp_path / "cache"
     texts = killed_after_two_blocks(accelerator, tiny_models, cache_dir, monkeypatch)
     (staging,) = cache_dir.iterdir()  # no entry yet, only what the next run continues from
-    assert staging.name.startswith(".") and ".partial-" in staging.name
+    assert staging.name.startswith(".") and staging.name.endswith(".partial")
     assert json.loads((staging / "progress.json").read_text())["rows_done"] == 16
 
+    monkeypatch.setattr(socket, "gethostname", lambda: "requeued-node-7f3a")
     second = interrupt_after_blocks(monkeypatch, 99)
     cache = make_cache(accelerator, tiny_models["teacher"], cache_dir)
     with caplog.at_level("WARNING"):
@@ -526,7 +532,8 @@ def test_an_interrupted_encoding_is_continued_not_started_over(
     np.testing.assert_allclose(vectors, reference_embeddings(tiny_models["teacher"], texts), atol=2e-3)
     entries = cache_entries(cache_dir)
     assert [p.name for p in entries] == [cache.key(texts, "document")]  # staging renamed, lock file gone
-    assert sorted(p.name for p in entries[0].iterdir()) == ["embeddings.npy", "manifest.json", "texts.npy"]
+    expected = ["contents.json", "embeddings.npy", "manifest.json", "texts.npy"]
+    assert sorted(p.name for p in entries[0].iterdir()) == expected
 
 
 def test_an_interrupted_encoding_is_listed_and_pruned_by_age(
@@ -540,7 +547,7 @@ def test_an_interrupted_encoding_is_listed_and_pruned_by_age(
     texts = killed_after_two_blocks(accelerator, tiny_models, cache_dir, monkeypatch)
     assert cache_module.main(["list", "--teacher_cache_dir", str(cache_dir)]) == 0
     (row,) = [line for line in capsys.readouterr().out.splitlines() if " partial " in line]
-    assert f" partial 16/37 on {socket.gethostname()}  {tiny_models['teacher']}  document  37 " in row
+    assert f" partial 16/37  {tiny_models['teacher']}  document  37 " in row
 
     assert cache_module.main(["prune", "--teacher_cache_dir", str(cache_dir)]) == 0  # still resumable: kept
     assert len(list(cache_dir.iterdir())) == 1
@@ -565,21 +572,112 @@ def test_a_staging_folder_from_other_inputs_is_not_continued(
     assert sum(sizes) == 37
 
 
-def test_a_second_run_encoding_the_same_texts_stages_apart(
+def test_a_held_lock_makes_another_run_wait_and_a_machine_of_the_same_job_read(
     accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Two runs on one machine missing the same entry: one takes the resumable staging folder, the other its own."""
+    """Two writers of one entry: the second one, of another run, waits and names who holds the lock; one of the
+    same job (another machine sharing the folder) writes nothing. Once the lock is free, the next one takes it."""
     cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache")
     texts = sentences(5, seed=1)
     entry, key = tmp_path / "cache" / cache.key(texts, "document"), cache.key(texts, "document")
-    first = store_module.CacheWriter(entry, key, 5, "document", cache.source)
-    second = store_module.CacheWriter(entry, key, 5, "document", cache.source)
-    assert ".partial-" in first.staging.name and ".tmp-" in second.staging.name
+    first = store_module.CacheWriter(entry, key, 5, "document", cache.source, job="job-a")
+    other_run = store_module.CacheWriter(entry, key, 5, "document", cache.source, job="job-b")
+    same_job = store_module.CacheWriter(entry, key, 5, "document", cache.source, job="job-a")
+    assert first.staging.name.endswith(".partial") and first.writes
+    assert other_run.waiting and other_run.holder == {"host": socket.gethostname(), "pid": os.getpid(), "job": "job-a"}
+    assert same_job.sibling and not same_job.writes and same_job.resume() == 5  # the holder's count decides
     first.close()
-    second.close()
-    third = store_module.CacheWriter(entry, key, 5, "document", cache.source)  # the lock is free again
-    assert ".partial-" in third.staging.name
-    third.close()
+    other_run.claim_again()  # the lock is free again
+    assert not other_run.waiting and other_run.staging.name.endswith(".partial")
+    other_run.close()
+    same_job.close()
+
+
+def test_a_run_waits_for_another_runs_encoding_then_reads_its_entry(
+    accelerator: Accelerator,
+    tiny_models: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A second run on one cache used to encode everything again under its own name, and its commit removed the
+    entry the first run was reading. Now it waits, says so once, and reads the first run's entry: it encodes
+    nothing, and the entry in place is never replaced."""
+    cache_dir = tmp_path / "cache"
+    cache = make_cache(accelerator, tiny_models["teacher"], cache_dir)
+    texts = sentences(6, seed=3)
+    key = cache.key(texts, "document")
+    lock = store_module.claim(store_module.lock_file(cache_dir, key), "another-job")
+    assert lock.fd is not None
+    sleeps: list[float] = []
+    inodes: list[int] = []
+
+    def first_run_finishes(seconds: float) -> None:  # while the second waits, the first puts its entry in place
+        sleeps.append(seconds)
+        if len(sleeps) == 2:
+            make_cache(accelerator, tiny_models["teacher"], tmp_path / "elsewhere").embeddings(texts, "document")
+            shutil.copytree(tmp_path / "elsewhere" / key, cache_dir / key)
+            inodes.append((cache_dir / key / "embeddings.npy").stat().st_ino)
+            os.unlink(store_module.lock_file(cache_dir, key))
+            os.close(lock.fd)
+
+    monkeypatch.setattr(teacher_module.time, "sleep", first_run_finishes)
+    encoded = interrupt_after_blocks(monkeypatch, 99)
+    with caplog.at_level("WARNING"):
+        vectors = cache.embeddings(texts, "document")
+    assert encoded == [6] and len(sleeps) == 2  # the other run's encoding; this run's none
+    waited = [r.getMessage() for r in caplog.records if "waiting for it to finish" in r.getMessage()]
+    assert len(waited) == 1 and "another run (host" in waited[0]
+    assert (cache_dir / key / "embeddings.npy").stat().st_ino == inodes[0] and vectors.shape[0] == 6
+
+
+def test_a_filesystem_without_locks_is_said_once(
+    accelerator: Accelerator,
+    tiny_models: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """flock refused (Lustre `noflock`, some FUSE mounts): one line says what it costs, and encoding goes on."""
+    import fcntl
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache")
+    with caplog.at_level("WARNING"):
+        cache.embeddings(sentences(4, seed=1), "document")
+        cache.embeddings(sentences(4, seed=2), "document")
+    said = [r.getMessage() for r in caplog.records if "takes no file locks" in r.getMessage()]
+    assert len(said) == 1 and "(No locks available)" in said[0]
+    assert len(cache_entries(tmp_path / "cache")) == 2
+
+
+def test_a_run_killed_as_it_put_its_entry_in_place_finds_every_text_done(
+    accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGKILL between sealing the staging folder and renaming it: the next run finds all texts done there and
+    only puts it in place (the progress file stays until then; it used to go first, and the folder with it)."""
+    cache_dir = tmp_path / "cache"
+    cache = make_cache(accelerator, tiny_models["teacher"], cache_dir)
+    texts = sentences(7, seed=4)
+
+    def killed(*args: object, **kwargs: object) -> None:
+        raise Killed
+
+    monkeypatch.setattr(store_module, "put_in_place", killed)
+    with pytest.raises(Killed):
+        cache.embeddings(texts, "document")
+    monkeypatch.undo()
+    for fd in Path("/proc/self/fd").iterdir():  # a killed process's locks go with it
+        with contextlib.suppress(OSError):
+            if os.readlink(fd).endswith(".lock"):
+                os.close(int(fd.name))
+    encoded = interrupt_after_blocks(monkeypatch, 99)
+    vectors = make_cache(accelerator, tiny_models["teacher"], cache_dir).embeddings(texts, "document")
+    assert encoded == [] and vectors.shape[0] == 7
+    assert [p.name for p in cache_entries(cache_dir)] == [cache.key(texts, "document")]
 
 
 CONTINUE_ON_TWO_PROCESSES = """
@@ -1163,6 +1261,7 @@ def test_entries_without_a_text_index_are_said_once_and_encoded_again(
     make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache").embeddings(texts, "document")
     (entry,) = committed_entries(tmp_path / "cache")
     (entry / "texts.npy").unlink()
+    (entry / "contents.json").unlink()  # an earlier distill sealed nothing
     manifest = json.loads((entry / "manifest.json").read_text())
     del manifest["model"]
     (entry / "manifest.json").write_text(json.dumps(manifest))
@@ -1217,3 +1316,45 @@ def test_two_processes_agree_on_the_rows_they_reuse(tiny_models: dict[str, Path]
     assert seen[0][0] == seen[1][0] == [20, 8]  # the first list, then only the 8 new texts
     np.testing.assert_array_equal(seen[0][1], seen[1][1])
     np.testing.assert_allclose(seen[0][1], reference_embeddings(tiny_models["teacher"], texts), atol=2e-3)
+
+
+FULL_DISK = """
+import subprocess, sys
+from pathlib import Path
+import numpy as np
+from distill.store import CacheWriter
+
+class Spec:
+    path, revision, max_seq_length = "teacher", None, None
+    def prompt(self, role):
+        return ""
+
+folder = Path(sys.argv[1])
+subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], check=True)
+writer = CacheWriter(folder / ("0" * 32), "0" * 32, 4096, "document", Spec(), job="test")
+for start in range(0, 4096, 256):  # 4096 x 256 float16: 2 MiB, on a disk of 1 MiB
+    writer.write(np.arange(start, start + 256), np.ones((256, 256), dtype=np.float32))
+print(writer.commit())
+"""
+
+
+def test_a_full_disk_while_encoding_is_one_line_not_a_sigbus(tmp_path: Path) -> None:
+    """The entry is a memory map: a sparse file that runs out of space at a page fault killed the process with
+    SIGBUS (exit 135), and the other processes waited out --ddp_timeout. It is allocated in full before the first
+    write now, so a full disk is the cache's one-line error. A 1 MiB tmpfs stands for the disk (a user and mount
+    namespace of its own: `unshare -rm`)."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode != 0:
+        pytest.skip("no user namespaces here (unshare -rm)")
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "driver.py").write_text(FULL_DISK)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    done = subprocess.run(
+        ["unshare", "-rm", sys.executable, str(tmp_path / "driver.py"), str(tmp_path / "disk")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.startswith(f"cannot write the teacher cache under {tmp_path / 'disk'} (No space left on device")
+    assert "needed, " in done.stdout and "free" in done.stdout

@@ -87,3 +87,33 @@ def test_without_a_folder_texts_are_tokenized_here(student) -> None:
     made = cached_tokens(TokenizedTexts, student.tokenizer, texts, None, max_length=32)
     assert not isinstance(made.ids, np.memmap)
     assert_same(made, TokenizedTexts(student.tokenizer, texts, 32), [0, 1, 2])
+
+
+def test_a_torn_token_entry_is_tokenized_again_and_a_full_disk_keeps_them_in_memory(
+    student, tmp_path, monkeypatch, caplog
+) -> None:
+    """A node crash leaves an `.npy` cut short: it used to be trusted because fields.json existed, and every later
+    run failed on a raw `ValueError: mmap length`. Now it fails its check, is rebuilt with one warning line, and a
+    disk that cannot take the tokens is one line too, the run going on with them in memory."""
+    texts = sentences(20, seed=8)
+    make = partial(cached_tokens, TokenizedTexts, student.tokenizer, texts, tmp_path, max_length=32)
+    make()
+    (entry,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    ids = entry / "ids.npy"
+    ids.write_bytes(ids.read_bytes()[:-7])
+    with caplog.at_level("WARNING"):
+        again = make()
+    (said,) = [r.getMessage() for r in caplog.records if "token cache entry" in r.getMessage()]
+    assert said.startswith(f"token cache entry {entry} is torn (ids.npy:") and said.endswith("; tokenizing again")
+    assert_same(again, TokenizedTexts(student.tokenizer, texts, 32), [0, 19])
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(np, "save", full)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        kept = cached_tokens(TokenizedTexts, student.tokenizer, texts[:5], tmp_path, max_length=32)
+    assert not isinstance(kept.ids, np.memmap) and len(kept) == 5
+    assert any("(No space left on device); each process tokenizes" in r.getMessage() for r in caplog.records)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [entry.name]  # nothing half-written stays

@@ -141,6 +141,7 @@ class DistillData:
     phase2: Pairs
     evaluation: EvalSet | None
     capped: dict[str, int] = field(default_factory=dict)  # the caps the data reached: option name -> the cap
+    stamps: dict[str, str] = field(default_factory=dict)  # each source read -> a digest of its files or commit
 
 
 def load_data(config: DataConfig, seed: int, need_phase1: bool = True, need_phase2: bool = True) -> DistillData:

@@ -28,6 +28,7 @@ from accelerate.logging import get_logger
 from distill.card import model_card
 from distill.distributed import on_main_process
 from distill.errors import DistillError, first_line
+from distill.files import sync_folder, sync_tree, unique_suffix
 from distill.students import kind_of
 from distill.students.head import DistillationModel, matryoshka_dims
 
@@ -98,11 +99,11 @@ def save_atomic_with(save: Callable[[Path], object], target: Path) -> None:
     """`save(staging)` into `<target>.tmp`, then swapped in for any previous folder: a crash never leaves half a
     model, and a failed write puts the last good export back."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    previous = target.parent / f".{target.name}.old-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
+    staging = target.parent / f".{target.name}.tmp-{unique_suffix()}"
+    previous = target.parent / f".{target.name}.old-{unique_suffix()}"
     try:
         save(staging)
+        sync_tree(staging)  # on the disk before the rename: a crash after it finds every byte
         if target.exists():
             os.replace(target, previous)
         os.replace(staging, target)
@@ -116,6 +117,7 @@ def save_atomic_with(save: Callable[[Path], object], target: Path) -> None:
                 "or pass --artifacts_dir elsewhere"
             ) from None
         raise
+    sync_folder(target.parent)
     shutil.rmtree(previous, ignore_errors=True)
 
 

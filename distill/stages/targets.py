@@ -33,7 +33,16 @@ from accelerate.logging import get_logger
 
 from distill.allocator import release_freed_memory
 from distill.config.schema import TeacherConfig
-from distill.distributed import agreed, everyone, main_decides, progress_bar, smallest, writes_for_this_machine
+from distill.distributed import (
+    agreed,
+    any_process,
+    everyone,
+    job_id,
+    main_decides,
+    progress_bar,
+    smallest,
+    writes_for_this_machine,
+)
 from distill.errors import DistillError
 from distill.files import mark_used
 from distill.prepared import pick
@@ -50,6 +59,7 @@ from distill.store import (
     read_index,
     read_json_or_empty,
     text_digests,
+    wait_while_held,
 )
 from distill.teachers import CachedSource, Encoder, Source, TeacherContext, make_source, members_of
 from distill.tokens import texts_fingerprint
@@ -186,7 +196,10 @@ class TeacherCache:
         started = time.perf_counter()
         # Only one process per machine writes; the others gather the same chunks and drop them, so no rank
         # ever holds all the vectors in memory.
-        writer = self._writer(entry, key, texts, role)
+        writer, waited = self._writer(entry, key, texts, role)
+        written = self._written_meanwhile(writer, entry, key, len(texts)) if waited else None
+        if written is not None:
+            return written
         try:
             self._encode_sharded(texts, role, writer)
         except BaseException:
@@ -198,13 +211,29 @@ class TeacherCache:
 
     def _writer(
         self, entry: Path, key: str, texts: Sequence[str], role: Role, digests: np.ndarray | None = None
-    ) -> CacheWriter | None:
+    ) -> tuple[CacheWriter | None, bool]:
         """The writer of `entry` on this machine's writing process (None on the others), with each text's digest
-        (`digests`, where the caller has them already)."""
-        if not writes_for_this_machine(self.accelerator):
+        (`digests`, where the caller has them already), and whether it waited: where another run holds the entry's
+        lock, every process waits until it lets go (`wait_while_held`)."""
+        writer = None
+        if writes_for_this_machine(self.accelerator):
+            digests = text_digests(texts) if digests is None else digests
+            writer = CacheWriter(entry, key, len(texts), role, self.source, digests, self.model_key(role), job_id())
+            if writer.unlocked_news():
+                logger.warning(writer.unlocked_news(said=True))
+        waited = wait_while_held(writer, lambda waits: any_process(self.accelerator, (waits,))[0], logger.warning)
+        return writer, waited
+
+    def _written_meanwhile(self, writer: CacheWriter | None, entry: Path, key: str, count: int) -> np.ndarray | None:
+        """The entry, where another run put it in place while this one waited for its lock (on every machine);
+        the writer is let go then. None where this run encodes it."""
+        cached = read_entry(entry, key, count)
+        if not everyone(self.accelerator, cached is not None):
             return None
-        digests = text_digests(texts) if digests is None else digests
-        return CacheWriter(entry, key, len(texts), role, self.source, digests, self.model_key(role))
+        if writer is not None:
+            writer.close()
+        logger.info(f"teacher cache: {count:,} texts written by another run, found in {entry}")
+        return cached
 
     def _committed(self, writer: CacheWriter | None, entry: Path, key: str, count: int) -> np.ndarray:
         """The entry, committed by its writer and read back by every process."""
@@ -243,7 +272,10 @@ class TeacherCache:
         encoded = self.embeddings(new_texts, role, reuse=False) if new_texts else None
         self.accelerator.wait_for_everyone()  # every rank has decided before the writer replaces anything
         started = time.perf_counter()
-        writer = self._writer(entry, key, texts, role, digests)
+        writer, waited = self._writer(entry, key, texts, role, digests)
+        written = self._written_meanwhile(writer, entry, key, len(texts)) if waited else None
+        if written is not None:
+            return written
         if writer is not None:
             for source, taken in found.sources(held):
                 copy_rows(writer, source, found.row[taken], taken)

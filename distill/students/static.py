@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -38,7 +37,7 @@ import torch
 from distill.batching import TokenizedTexts
 from distill.config.constraints import Scope
 from distill.errors import DistillError
-from distill.files import write_atomic
+from distill.files import check, staged_folder, write_atomic
 from distill.hub import ModelShape, config_folder, model_fingerprint, resolve_model, tokenizer_of
 from distill.students.kinds import ExtraFolder, LoadContext, StudentDescription, StudentFigures, StudentKind
 
@@ -159,16 +158,12 @@ def distilled_embedding(source: str, dim: int, cache_dir: Path, how: Distilling 
         vocabulary = model_fingerprint(resolve_model(how.tokenizer)) if how.tokenizer else ""
         key = hashlib.sha256(f"{key}:{vocabulary}:{how.dtype}".encode()).hexdigest()[:16]
     kept = Path(cache_dir).expanduser() / f"static-{key}-{dim}"
-    if not (kept / "config.json").is_file():
+    if check(kept) is not None:
         tokenizer_model, vectors = token_vectors(path, kept.with_name(f"static-{key}-tokens"), how)
         how.wait()
         if how.share[0] == 0:
-            staging = kept.with_name(f".{kept.name}.partial-{os.getpid()}")
-            static_model(path, tokenizer_model, vectors(), dim).save_pretrained(str(staging))
-            try:
-                staging.replace(kept)  # whole or not at all
-            except OSError:  # another machine sharing the folder kept it first
-                shutil.rmtree(staging, ignore_errors=True)
+            with staged_folder(kept) as staging:  # whole or not at all; another machine's whole copy stays
+                static_model(path, tokenizer_model, vectors(), dim).save_pretrained(str(staging))
         how.wait()
     model = model2vec.StaticModel.from_pretrained(str(kept), force_download=False)
     return StaticEmbedding(model.tokenizer, embedding_weights=np.asarray(model.embedding), base_model=source)

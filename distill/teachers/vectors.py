@@ -30,7 +30,7 @@ import torch
 
 from distill.distributed import writes_for_this_machine
 from distill.errors import DistillError
-from distill.files import drop_pages, staged_folder
+from distill.files import check, drop_pages, staged_folder
 from distill.prepared import pick
 from distill.records import pick_column
 from distill.store import Role, text_digests
@@ -262,7 +262,7 @@ def streamed_copy(path: Path, workdir: Path | None = None) -> Path:
     key = hashlib.sha256(json.dumps([str(path.resolve()), stat.st_size, stat.st_mtime_ns]).encode()).hexdigest()
     root = workdir or Path(tempfile.gettempdir()) / "distill-vectors"
     folder = root / f"{path.stem}-{key[:16]}"
-    if folder.is_dir():
+    if check(folder) is None:  # whole: every file at its size and checksum
         return folder
     with staged_folder(folder) as staging:
         (_stream_parquet if path.suffix == ".parquet" else _stream_jsonl)(path, staging)
