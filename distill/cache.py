@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from distill.files import check, human_bytes, unique_suffix
+from distill.files import check, human_bytes, process_alive, unique_suffix
 from distill.store import CACHE_FORMAT, KEY, STAGED, claim, lock_file, read_entry, read_json_or_empty
 
 STAGING_TAIL = re.compile(r"(?P<host>.+)-(?P<pid>\d+)(?:-[0-9a-f]{8})?")  # <host>-<pid>[-<random>]
@@ -123,16 +123,6 @@ def disk_usage(stat: os.stat_result) -> int:
     """Bytes a file takes on disk, as `du` counts them: a partial's memory map is created full-size but sparse."""
     blocks = getattr(stat, "st_blocks", None)  # POSIX; 512-byte units whatever the block size
     return stat.st_size if blocks is None else blocks * 512
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
 
 
 def verdict(item: CacheItem, items: list[CacheItem], unused_days: float | None, now: float) -> str | None:

@@ -39,6 +39,18 @@ def unique_suffix() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` of this machine runs (another user's counts): what a staging name's pid says only on
+    the machine that made it."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
 def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
     """`write(staging)` fills a hidden temporary file that is then synced and renamed to `path`: all of it or
     nothing."""

@@ -212,3 +212,25 @@ def test_only_a_transformer_student_has_an_onnx_form(tiny_models) -> None:
     assert kind_of(student).onnx_transformer(student) is student[0].auto_model
     static = pytest.importorskip("distill.students.static")
     assert static.StaticKind().onnx_transformer(student) is None  # model2vec's folder is a table's small form
+
+
+def test_the_forms_folder_a_killed_run_left_goes_at_the_next_run(tmp_path: Path) -> None:
+    """A SIGKILL during the forms stage left `.forms-*` (about 120 MB on the demo) under the artifacts folder for
+    good. The next run on that machine removes those whose process is gone; a live one's, and another machine's
+    (whose pid says nothing here), stay."""
+    import os
+    import socket
+
+    from distill.stages.forms import staging_folder
+
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    host = socket.gethostname()
+    dead = tmp_path / f".forms-{host}-{process.pid}-0123abcd"
+    live = tmp_path / f".forms-{host}-{os.getpid()}-0123abcd"
+    elsewhere = tmp_path / f".forms-other-node-{process.pid}-0123abcd"
+    for folder in (dead, live, elsewhere):
+        (folder / "onnx").mkdir(parents=True)
+    made = staging_folder(str(tmp_path))
+    assert not dead.exists() and live.exists() and elsewhere.exists()
+    assert made.name.startswith(f".forms-{host}-{os.getpid()}-") and not made.exists()

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import shutil
 import socket
-import uuid
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from distill.errors import DistillError, first_line
+from distill.files import process_alive, unique_suffix
 from distill.metrics import retrieval_ndcg
 from distill.runtime import INSTALL, ONNX_FILE, OnnxEncoder
 from distill.stages.cost import timed
@@ -214,8 +214,15 @@ FORMS = (("ONNX float32", ONNX_FILE), ("ONNX int8", INT8_FILE))
 
 
 def staging_folder(artifacts_dir: str) -> Path:
-    """A folder for the forms under the artifacts folder, named apart from every other process's."""
-    return Path(artifacts_dir).expanduser() / f".forms-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+    """A folder for the forms under the artifacts folder, named apart from every other process's
+    (`.forms-<host>-<pid>-<random>`). What a killed run of this machine left there (about 120 MB on the demo) goes
+    first: its process is gone."""
+    root = Path(artifacts_dir).expanduser()
+    for left in root.glob(f".forms-{socket.gethostname()}-*"):
+        pid = left.name.removeprefix(f".forms-{socket.gethostname()}-").split("-")[0]
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(left, ignore_errors=True)
+    return root / f".forms-{unique_suffix()}"
 
 
 def forms_to_dict(forms: list[FormCost]) -> list[dict[str, Any]]:
