@@ -144,19 +144,7 @@ def prepared_data(
     (without a folder, or with phase data from a Hub dataset whose commit the Hub cannot name: read here). A Hub
     dataset is read at the commit the main process was told, on every machine."""
     commits = hub_commits(config, need_phase1, need_phase2)
-    data = prepared_data_pinned(config, seed, need_phase1, need_phase2, folder, commits)
-    return dataclasses.replace(data, stamps=source_stamps(config, need_phase1, need_phase2, commits))
-
-
-def prepared_data_pinned(
-    config: DataConfig,
-    seed: int,
-    need_phase1: bool,
-    need_phase2: bool,
-    folder: Path | None,
-    commits: dict[str, str | None],
-) -> DistillData:
-    """`prepared_data` once the Hub's commits are known, read at those commits."""
+    stamps = source_stamps(config, need_phase1, need_phase2, commits)  # what a resume compares with its checkpoint's
     with pinned(commits):
         evaluated = hub_dataset(source_name(config.eval_data))
         if folder is not None and evaluated is not None and commits.get(evaluated) is None:
@@ -164,8 +152,10 @@ def prepared_data_pinned(
             # datasets' own cache), and the phase data, which may be millions of texts, are still kept once
             kept = dataclasses.replace(config, eval_data="none")
             data = prepared_data_at(kept, seed, need_phase1, need_phase2, folder, commits)
-            return dataclasses.replace(data, evaluation=nanobeir_eval_set(config.eval_data, config.nanobeir_datasets))
-        return prepared_data_at(config, seed, need_phase1, need_phase2, folder, commits)
+            evaluation = nanobeir_eval_set(config.eval_data, config.nanobeir_datasets)
+            return dataclasses.replace(data, evaluation=evaluation, stamps=stamps)
+        data = prepared_data_at(config, seed, need_phase1, need_phase2, folder, commits)
+    return dataclasses.replace(data, stamps=stamps)
 
 
 def prepared_data_at(
