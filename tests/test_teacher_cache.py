@@ -1358,3 +1358,23 @@ def test_a_full_disk_while_encoding_is_one_line_not_a_sigbus(tmp_path: Path) -> 
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert done.stdout.startswith(f"cannot write the teacher cache under {tmp_path / 'disk'} (No space left on device")
     assert "needed, " in done.stdout and "free" in done.stdout
+
+
+def test_a_full_disk_stops_the_encoding_after_its_first_block(
+    accelerator: Accelerator, tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The space the entry needs is allocated at its first write; where the disk refuses it, the encoding stops after
+    that block with the cache's one-line error, instead of encoding every text first."""
+    monkeypatch.setattr(teacher_module, "BLOCK_ROWS_PER_PROCESS", 8)
+
+    def full(path: Path, size: int) -> None:
+        raise OSError(errno.ENOSPC, f"No space left on device: {size} B needed, 0 B free")
+
+    monkeypatch.setattr(store_module, "reserve", full)
+    blocks = interrupt_after_blocks(monkeypatch, 99)
+    cache = make_cache(accelerator, tiny_models["teacher"], tmp_path / "cache")
+    with pytest.raises(DistillError, match=r"cannot write the teacher cache under .* \(No space left on device: "):
+        cache.embeddings(sentences(37, seed=11), "document")
+    assert blocks == [8]  # of 5
+    assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.startswith(".")] == []  # no entry
+    assert not list((tmp_path / "cache").glob("*/progress.json"))  # nothing marked done: a rerun starts clean

@@ -315,6 +315,8 @@ class TeacherCache:
             self._encode_block(encoder, rows, writer, progress.update)
             if writer is not None:
                 writer.mark(min(start + block, len(texts)))
+            if any_process(self.accelerator, (writer is not None and writer.problem is not None,))[0]:
+                break  # a full disk is known at the first write: the commit says so now, not after every block
         progress.close()
         if encoder.done is not None:
             encoder.done()
