@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 
 from distill.files import check, human_bytes, process_alive, unique_suffix
-from distill.store import CACHE_FORMAT, KEY, STAGED, claim, lock_file, read_entry, read_json_or_empty
+from distill.store import CACHE_FORMAT, KEY, STAGED, claim, lock_file, lock_held, read_entry, read_json_or_empty
 
 STAGING_TAIL = re.compile(r"(?P<host>.+)-(?P<pid>\d+)(?:-[0-9a-f]{8})?")  # <host>-<pid>[-<random>]
 
@@ -157,13 +157,7 @@ def verdict(item: CacheItem, items: list[CacheItem], unused_days: float | None, 
 def in_use(item: CacheItem) -> bool:
     """Whether a live process holds the lock of `item`'s key (a partial folder or a lock file); where the folder
     takes no locks, whether one might (so nothing is removed)."""
-    if not item.lock_path.exists():  # a writer keeps its lock file until it lets go
-        return False
-    taken = claim(item.lock_path)
-    if taken.fd is None:
-        return True
-    os.close(taken.fd)
-    return False
+    return lock_held(item.lock_path) is not False
 
 
 def remove(item: CacheItem) -> bool:

@@ -20,7 +20,7 @@ from distill.errors import DistillError
 from distill.files import unique_suffix, write_atomic, write_json_atomic
 from distill.results import ROWS, RunResults
 from distill.stages.tradeoff import cost_table, trade_off_line
-from distill.store import claim, holder
+from distill.store import claim, holder, lock_held
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def probe_output_dir(output_dir: Path, fresh: bool, hold: bool = False) -> None:
         probe.unlink()
         if hold:
             hold_output_dir(output_dir, missing)
-        elif claim_free(output_dir / RUN_LOCK) is False:
+        elif lock_held(output_dir / RUN_LOCK):
             raise DistillError(busy(output_dir))
     except OSError as e:
         raise DistillError(
@@ -153,17 +153,6 @@ def busy(output_dir: Path) -> str:
         f"output_dir {str(output_dir)!r} is in use by another run (host {who.get('host', '?')}, pid "
         f"{who.get('pid', '?')}); wait for it to end, or pass another --output_dir"
     )
-
-
-def claim_free(lock: Path) -> bool | None:
-    """Whether nobody holds `lock` (None: no locks there), tried and let go at once; a lock file it made goes."""
-    if not lock.exists():
-        return True
-    taken = claim(lock)
-    if taken.fd is None:
-        return None if taken.unsupported else False
-    os.close(taken.fd)
-    return True
 
 
 def release_output_dir() -> None:

@@ -145,27 +145,44 @@ def claim(path: Path, job: str | None = None) -> Claim:
         import fcntl
     except ImportError:  # not a POSIX system
         return Claim(unsupported="no fcntl here")
-    fd = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    except OSError as e:  # a read-only or missing folder: nothing to wait for, and the write says what is wrong
+        return Claim(unsupported=f"cannot open {path.name}: {e.strerror or e}")
+    try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if os.fstat(fd).st_ino != os.stat(path).st_ino:  # its last holder removed it while we opened it
-            os.close(fd)
-            return Claim(held=True)
-        if job is not None:
-            holder = {"host": socket.gethostname(), "pid": os.getpid(), "job": job}
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(holder).encode(), 0)
-        return Claim(fd)
     except OSError as e:
-        if fd is not None:
-            os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES, errno.ENOENT):
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             return Claim(held=True)
         with contextlib.suppress(OSError):  # a lock file that cannot lock holds nothing
             path.unlink()
         return Claim(unsupported=e.strerror or str(e))  # ENOLCK (NFS without lockd), EOPNOTSUPP/EINVAL (FUSE)
+    try:
+        replaced = os.fstat(fd).st_ino != os.stat(path).st_ino  # its last holder removed it while we opened it
+        if not replaced and job is not None:
+            holder = {"host": socket.gethostname(), "pid": os.getpid(), "job": job}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(holder).encode(), 0)
+    except OSError:
+        replaced = True
+    if replaced:
+        os.close(fd)
+        return Claim(held=True)
+    return Claim(fd)
+
+
+def lock_held(path: Path) -> bool | None:
+    """Whether a live process holds the lock `path` (tried and let go at once); None where the folder takes no
+    locks, so nobody can tell."""
+    if not path.exists():  # a holder keeps its lock file until it lets go
+        return False
+    taken = claim(path)
+    if taken.fd is None:
+        return None if taken.unsupported else True
+    os.close(taken.fd)
+    return False
 
 
 def holder(path: Path) -> dict:

@@ -1378,3 +1378,21 @@ def test_a_full_disk_stops_the_encoding_after_its_first_block(
     assert blocks == [8]  # of 5
     assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.startswith(".")] == []  # no entry
     assert not list((tmp_path / "cache").glob("*/progress.json"))  # nothing marked done: a rerun starts clean
+
+
+def test_a_lock_file_that_cannot_be_opened_is_no_lock_to_wait_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only cache folder: the lock file cannot be made. Taken for a held lock, a writer would wait forever;
+    it is a folder without locks, and the write that follows says what is wrong."""
+    real_open = os.open
+
+    def denied(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if str(path).endswith(".lock"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", denied)
+    taken = store_module.claim(tmp_path / f".{'0' * 32}.lock", "job")
+    assert taken.fd is None and not taken.held
+    assert taken.unsupported == f"cannot open .{'0' * 32}.lock: Permission denied"
