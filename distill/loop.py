@@ -33,11 +33,11 @@ from distill.checkpoint import (
     set_rng,
 )
 from distill.config.schema import PerformanceConfig, TrainingConfig
-from distill.distributed import any_process, progress_bar
+from distill.distributed import progress_bar
 from distill.errors import TrainingStopped, memory_message
 from distill.optimizer import make_optimizer, make_scheduler
 from distill.phases import Phase
-from distill.signals import PREEMPTION
+from distill.signals import PREEMPTION, agreed_stop
 from distill.students.head import DistillationModel
 
 logger = get_logger(__name__)
@@ -139,7 +139,7 @@ class Guard:
       (`skips_on_device`) have the loss and the norm read before every step instead. Under fp16 the gradient
       scaler skips steps with non-finite gradients itself, as its loss scale calibrates: those are not stops.
     - SIGTERM (preemption) or Ctrl-C on any process stops every process at the same step, with a checkpoint,
-      agreed every step by a collective on the CPU (`any_process`).
+      agreed every step by a collective on the CPU (`signals.agreed_stop`).
     - On a CPU the heap is trimmed every TRIM_EVERY steps.
     Both stops raise `TrainingStopped`.
     """
@@ -208,11 +208,11 @@ class Guard:
     def after_step(self, state: TrainingState, window: Window, progress: tqdm, evaluation_due: bool) -> None:
         """Read the losses when due; stop with a checkpoint if a signal came (the evaluation due is left to the
         resumed run); trim the heap."""
-        terminated, interrupted = any_process(self.accelerator, (PREEMPTION.requested, PREEMPTION.interrupted))
-        if terminated or interrupted or len(self.pending) >= READ_EVERY or not self.deferred:
+        stop = agreed_stop(self.accelerator)
+        if stop or len(self.pending) >= READ_EVERY or not self.deferred:
             self.read(state, window, progress)
-        if terminated or interrupted:  # decided collectively: every process stops at the same step
-            name, code = ("SIGTERM", 143) if terminated else ("SIGINT", 130)
+        if stop:  # decided collectively: every process stops at the same step
+            name, code = stop
             PREEMPTION.clear()
             state.evaluation_pending = evaluation_due  # a preemption's grace period is short
             path = self.checkpoint()

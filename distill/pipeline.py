@@ -35,7 +35,7 @@ from distill.checkpoint import PHASES as PHASE_ORDER
 from distill.checkpoint import CheckpointSettings, Resume, TrainingState, resume_requested
 from distill.config.flags import to_flat_dict
 from distill.config.schema import Config
-from distill.distributed import any_process, machine_share, main_decides, make_accelerator, on_main_process
+from distill.distributed import machine_share, main_decides, make_accelerator, on_main_process
 from distill.errors import OutOfMemory, TrainingStopped
 from distill.files import folder_bytes
 from distill.loop import train_phase, training_memory_message
@@ -44,7 +44,7 @@ from distill.phases import Phase, PhaseSettings, check_phase_sizes, make_phases,
 from distill.prepared import prepared_data
 from distill.report import check_output_dir, prepare_output_dir, release_output_dir, results_table, write_results
 from distill.results import PhaseFigures, RunResults
-from distill.signals import PREEMPTION
+from distill.signals import PREEMPTION, agreed_stop
 from distill.stages.candidates import check_candidates, score_candidates
 from distill.stages.cost import CostTexts, Efficiency, measure_student
 from distill.stages.data import DistillData
@@ -318,10 +318,10 @@ def stop_if_signalled(accelerator: Accelerator, trained_model: Path | None) -> N
     """Between the stages after training: a SIGTERM or Ctrl-C noted since ends the run here, agreed by every process.
     The checkpoint saved as training ended holds all the later stages need, so a scheduler's grace period is never
     spent on them and its SIGKILL costs nothing."""
-    terminated, interrupted = any_process(accelerator, (PREEMPTION.requested, PREEMPTION.interrupted))
-    if not (terminated or interrupted):
+    stop = agreed_stop(accelerator)
+    if stop is None:
         return
-    name, code = ("SIGTERM", 143) if terminated else ("SIGINT", 130)
+    name, code = stop
     PREEMPTION.clear()
     raise TrainingStopped(
         f"stopped by {name} after training; the trained student is in checkpoint {trained_model}; continue with "

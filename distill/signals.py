@@ -10,9 +10,12 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from distill.distributed import is_first_rank
+from distill.distributed import any_process, is_first_rank
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 
 class Preemption:
@@ -67,6 +70,16 @@ class Preemption:
 
 
 PREEMPTION = Preemption()
+
+
+def agreed_stop(accelerator: Accelerator) -> tuple[str, int] | None:
+    """The stop any process was asked for since the last one acted on (SIGTERM before Ctrl-C), agreed by every
+    process: its name and exit code (143, 130); None to go on. The training loop asks every step, and the pipeline
+    between the stages after training."""
+    terminated, interrupted = any_process(accelerator, (PREEMPTION.requested, PREEMPTION.interrupted))
+    if terminated:
+        return "SIGTERM", 143
+    return ("SIGINT", 130) if interrupted else None
 
 
 def release_stop_signals() -> None:
