@@ -92,21 +92,19 @@ def sync_tree(folder: Path) -> None:
 
 
 def seal(folder: Path, exclude: tuple[str, ...] = ()) -> None:
-    """Sync every file under `folder` (but `exclude`d names) and list each one's size and checksum in its
+    """Sync everything under `folder`, list each file's size and checksum (but `exclude`d names) in its
     `contents.json`, synced too, then the folder itself: what `check` reads back."""
+    sync_tree(folder)
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         name = path.relative_to(folder).as_posix()
-        if name == CONTENTS or name in exclude:
-            continue
-        sync(path)
-        size = path.stat().st_size
-        files[name] = {"bytes": size, "blake2b": file_digest(path, size)}
+        if name != CONTENTS and name not in exclude:
+            size = path.stat().st_size
+            files[name] = {"bytes": size, "blake2b": file_digest(path, size)}
     contents = folder / CONTENTS
     contents.write_text(json.dumps({"files": files}, indent=1))
     sync(contents)
-    for sub in [folder, *(p for p in folder.rglob("*") if p.is_dir())]:
-        sync_folder(sub)
+    sync_folder(folder)
 
 
 def check(folder: Path, unsealed_ok: bool = False) -> str | None:

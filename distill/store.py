@@ -246,13 +246,12 @@ class CacheWriter:
             else (self.entry.parent / f".{self.entry.name}.tmp-{unique_suffix()}")
         )
 
-    def unlocked_news(self, said: bool = False) -> str | None:
-        """The line that says the folder takes no locks, the first time it is asked for (`said`: it is said now)."""
+    def unlocked_news(self) -> str | None:
+        """The line that says the folder takes no locks, the first time this process asks for it; else None."""
         folder = self.entry.parent
         if not self.unlocked or folder in UNLOCKED_SAID:
             return None
-        if said:
-            UNLOCKED_SAID.add(folder)
+        UNLOCKED_SAID.add(folder)
         return (
             f"teacher cache: {folder} takes no file locks ({self.unlocked}); an interrupted encoding there starts "
             "over, and two runs on it encode the same texts each"

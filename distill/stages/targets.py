@@ -219,8 +219,9 @@ class TeacherCache:
         if writes_for_this_machine(self.accelerator):
             digests = text_digests(texts) if digests is None else digests
             writer = CacheWriter(entry, key, len(texts), role, self.source, digests, self.model_key(role), job_id())
-            if writer.unlocked_news():
-                logger.warning(writer.unlocked_news(said=True))
+            news = writer.unlocked_news()
+            if news:
+                logger.warning(news)
         waited = wait_while_held(writer, lambda waits: any_process(self.accelerator, (waits,))[0], logger.warning)
         return writer, waited
 
