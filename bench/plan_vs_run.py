@@ -6,8 +6,8 @@ For each config: `python -m distill.plan --config C --device cpu --json`, then t
 cache (so the teacher encodes everything) and one checkpoint, in a process of its own with tcmalloc preloaded as
 `make demo` does. Measured: the teacher's seconds (results.json, every phase and the evaluation set), the training
 loops' seconds, the process's peak RSS, the cache's bytes and one checkpoint's bytes. The planner runs first, on
-an idle machine, because it times this CPU's matmul rate. Prints a markdown block; `--write` puts it into the
-benchmarks page between its `bench:plan` markers.
+an idle machine, because on a CPU it times the run's own work (distill/plan/calibration.py). Prints a markdown
+block; `--write` puts it into the benchmarks page between its `bench:plan` markers.
 """
 
 from __future__ import annotations
@@ -133,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Measured {dt.datetime.now():%Y-%m-%d %H:%M} in {(time.time() - started) / 60:.1f} min with `{command}` on "
         f"{machine()}; {versions()}; tcmalloc preloaded in the runs, as `make demo` does. The planner ran first, "
-        f"on the idle machine (it times this CPU's matmul rate: {planned[configs[0]]['assumptions']['rates']})."
-        + reused,
+        f"on the idle machine; its rates: {planned[configs[0]]['assumptions']['rates']}." + reused,
         "",
         "| config | figure | planned | measured | planned / measured | within |",
         "|---|---|---|---|---|---|",

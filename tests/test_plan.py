@@ -176,6 +176,55 @@ def test_the_cpu_rate_is_timed_here():
     assert device.base_bytes > 0 and torch.get_num_threads() >= 1
 
 
+def test_a_cpu_plan_times_the_runs_own_work_and_keeps_it_per_processor(tiny_models, tiny_data, tmp_path, monkeypatch):
+    """The student's steps of each phase and the teacher's batches are timed on this CPU, and their rates drive the
+    seconds; the next plan of the same work on the same processor reads them back; another processor, or
+    --recalibrate, times them again."""
+    from distill.plan import calibration
+
+    timed = []
+    for name in ("time_teacher", "time_student"):
+        real = getattr(calibration, name)
+        monkeypatch.setattr(calibration, name, lambda work, real=real: timed.append(work["kind"]) or real(work))
+    config = load_config(tiny_run_flags(tiny_models, tiny_data, tmp_path / "out"))
+    first = make_plan(config, device_for("cpu", None, None))
+    assert sorted(timed) == ["student", "student", "teacher"]  # phase 1's step, phase 2's, the teacher's batch
+    line = first.assumptions["rates"]
+    assert line.startswith("timed now on this CPU") and "phase2 steps of the student at 8 x" in line
+    kept = json.loads((tmp_path / "out" / "cache" / "cpu-rates.json").read_text())
+    rates = {json.loads(key)["kind"]: entry["flops_per_second"] for key, entry in kept.items()}
+    assert first.teacher_seconds == pytest.approx(first.teacher_flops / rates["teacher"])
+    for phase, seconds in first.train_seconds_by_phase.items():  # each phase at its own timed rate
+        assert seconds == pytest.approx(first.train_flops[phase] / first.assumptions["student_flops_per_phase"][phase])
+    assert set(first.assumptions["student_flops_per_phase"].values()) <= {e["flops_per_second"] for e in kept.values()}
+
+    timed.clear()
+    second = make_plan(config, device_for("cpu", None, None))
+    assert timed == [] and second.assumptions["rates"].startswith("kept for this CPU")
+    assert (second.teacher_seconds, second.train_seconds) == (first.teacher_seconds, first.train_seconds)
+    make_plan(config, device_for("cpu", None, None, recalibrate=True))
+    assert sorted(timed) == ["student", "student", "teacher"]
+    timed.clear()
+    monkeypatch.setattr(calibration, "processor", lambda: "Another CPU")
+    make_plan(config, device_for("cpu", None, None))
+    assert sorted(timed) == ["student", "student", "teacher"]
+    assert len(json.loads((tmp_path / "out" / "cache" / "cpu-rates.json").read_text())) == 6  # both processors'
+
+
+def test_a_torn_rates_file_is_timed_again_and_a_gpu_plan_times_nothing(tiny_models, tiny_data, tmp_path, monkeypatch):
+    config = load_config(tiny_run_flags(tiny_models, tiny_data, tmp_path / "out"))
+    (tmp_path / "out" / "cache").mkdir(parents=True)
+    (tmp_path / "out" / "cache" / "cpu-rates.json").write_text('{"torn')
+    assert make_plan(config, device_for("cpu", None, None)).assumptions["rates"].startswith("timed now")
+    assert json.loads((tmp_path / "out" / "cache" / "cpu-rates.json").read_text())  # written whole again
+    monkeypatch.setattr(plan, "calibrate", lambda *a, **k: pytest.fail("a GPU plan timed this CPU"))
+    assert make_plan(config, device_for("h100", None, None)).assumptions["rates"].startswith("40% / 8%")
+    measured = make_plan(config, device_for("cpu", 1.0, 1.0))  # measured rates on a CPU: nothing to time
+    assert measured.assumptions["rates"].startswith("measured") and measured.teacher_seconds == pytest.approx(
+        measured.teacher_flops / 1e12
+    )
+
+
 def test_a_cpu_process_base_is_read_with_the_data_loaded(tiny_models, tiny_data, tmp_path, monkeypatch):
     """A run holds its data and tokenizers beside its models, so a CPU's base RSS is read after the planner has them;
     a GPU's memory holds neither, and its base stays 0."""

@@ -411,7 +411,10 @@ class OutputConfig:
     teacher_cache_dir: str = _opt(
         check=FOLDER,
         default=str(Path(os.environ.get("DISTILL_CACHE", "~/.cache/distill")).expanduser() / "teacher"),
-        help="Cache of teacher embeddings, keyed by content.",
+        help="What runs keep for the next, keyed by content: the teacher's vectors and a reranker's scores, "
+        "data/ (the data as read and cleaned), tokens/ (the student's tokens), files/ (vectors files' streamed "
+        "copies), a static student's tables, costs.json (the teacher's measured speed) and cpu-rates.json (the "
+        "planner's CPU rates). `python -m distill.cache` lists and prunes it.",
     )
     efficiency_texts: int = _opt(
         check=NON_NEGATIVE,

@@ -12,8 +12,9 @@ no weight is loaded. From these it counts, for the topology given:
   x length per token for attention; training costs three forward passes;
 - seconds: FLOPs / (processes x the device's achieved FLOP/s). A GPU's achieved rate is its bf16 dense peak
   times a stated utilisation (`DEVICES`), or what `--teacher_tflops` / `--student_tflops` say (measured by
-  `make bench-gpu`, say). On a CPU the planner times a float32 matmul on this machine and takes a stated
-  fraction of it;
+  `make bench-gpu`, say). On a CPU the planner times the run's own work on this machine: a few optimizer steps of
+  the student at the run's batch and lengths, a few teacher batches (distill/plan/calibration.py), kept per
+  processor model;
 - peak memory per process, all-reduce bytes per optimizer step, and the disk the checkpoints need;
 - for a static student distilled here, its table's pass: each vocabulary token through the model once, as three
   tokens, on each machine.
@@ -28,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from distill.config.schema import Config
-from distill.plan.devices import Device, process_base_bytes
+from distill.plan.calibration import calibrate
+from distill.plan.devices import Device, calibrated, process_base_bytes
 from distill.plan.figures import (
     Models,
     TextList,
@@ -95,13 +97,18 @@ def make_plan(
         device = replace(device, base_bytes=process_base_bytes())
     del lists
     measured = scale_counts(measured, phase1_texts, phase2_pairs)
+    if device.calibration:  # a CPU: the run's own work timed here, now that its models and lengths are known
+        rates = calibrate(config, models, measured, again=device.calibration == "again")
+        device = calibrated(device, rates.teacher, rates.student, rates.line)
     projection = student.dim * models.teacher_dim + models.teacher_dim if config.mode.use_projection else 0
     teacher_flops, teacher_seconds, teacher_memory, cache_bytes = teacher_figures(
         config, device, models, measured, projection
     )
     table = table_figures(config, device, models, machines)
     train_flops, steps = training_flops(config, student, measured, projection // max(models.teacher_dim, 1))
-    train_seconds_by_phase = {phase: flops / (processes * device.student_rate) for phase, flops in train_flops.items()}
+    train_seconds_by_phase = {
+        phase: flops / (processes * device.student_rate_of(phase)) for phase, flops in train_flops.items()
+    }
     train_seconds = sum(train_seconds_by_phase.values())
     allreduce, link = allreduce_bytes(config, device, student, projection, machines)
     student_memory = memory(config, device, models.teachers[0], student, measured, projection)[1]
@@ -181,6 +188,7 @@ def assumptions(device: Device, link: float, teacher_tokenizer: str) -> dict[str
     return {
         "teacher_flops_per_second": device.teacher_rate,
         "student_flops_per_second": device.student_rate,
+        "student_flops_per_phase": dict(device.student_rates),  # a CPU's, timed per phase
         "rates": device.rates,
         "interconnect_bytes_per_second": link,
         "teacher_tokenizer": teacher_tokenizer,

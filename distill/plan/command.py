@@ -26,6 +26,12 @@ def planner_parser() -> argparse.ArgumentParser:
     parser.add_argument("--student_tflops", type=float, help="Measured TFLOP/s of the student's training per process.")
     parser.add_argument("--phase1_texts", type=int, help="Plan for this many phase-1 texts (lengths: the data's).")
     parser.add_argument("--phase2_pairs", type=int, help="Plan for this many phase-2 pairs (lengths: the data's).")
+    parser.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="On a CPU: time the run's work on this machine again instead of reading the rates kept for this "
+        "processor (after a plan made while the machine was busy, say).",
+    )
     parser.add_argument("--json", action="store_true", help="Print the figures as one JSON object.")
     return parser
 
@@ -49,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         if name != "cpu" and name not in DEVICES:
             raise DistillError(f"--device: expected cpu or one of {', '.join(DEVICES)}, got {name!r}")
         config = load_config(run_argv)
-        device = device_for(name, options.teacher_tflops, options.student_tflops)
+        device = device_for(name, options.teacher_tflops, options.student_tflops, options.recalibrate)
         plan = make_plan(config, device, options.num_machines, options.phase1_texts, options.phase2_pairs)
     except DistillError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,10 +1,10 @@
 """The devices the planner knows: a GPU's spec-sheet figures (devices.json) and the fractions of them a run reaches;
-on a CPU, this machine's own matmul rate, timed."""
+on a CPU, the rates of the run's own work timed on this machine (distill/plan/calibration.py)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from distill.errors import DistillError
@@ -36,9 +36,9 @@ GPU_TEACHER_UTILISATION = 0.40
 GPU_STUDENT_UTILISATION = 0.08
 
 
-# The fractions of this CPU's own float32 matmul rate that a run reaches, fitted on one cold `make demo` on 2 AMD
-# EPYC cores (103 GFLOP/s matmul; the teacher encoded 1.47e13 FLOPs in 145 s, the student trained 1.83e13 in
-# 248 s). docs/BENCHMARKS.md checks them against other runs.
+# On a CPU, what calibration cannot time (a static student's table, mining's search): fractions of this CPU's own
+# float32 matmul rate, fitted on one cold `make demo` on 2 AMD EPYC cores (103 GFLOP/s matmul; the teacher encoded
+# 1.47e13 FLOPs in 145 s, the student trained 1.83e13 in 248 s).
 CPU_TEACHER_UTILISATION = 0.95
 
 
@@ -61,10 +61,19 @@ class Device:
     activation_bytes: int  # float32 on a CPU; bf16 autocast on a GPU keeps some tensors in float32
     base_bytes: int  # a process's memory before its models (a CPU's RSS, with the data once read; a GPU's is its own)
     memory_bytes: float = 0.0  # a GPU's memory; 0: not checked (a CPU)
+    calibration: str = ""  # a CPU's: "kept" (read kept rates, else time them), "again" (time them); "": none
+    student_rates: dict[str, float] = field(default_factory=dict)  # phase -> FLOP/s, where timed
+
+    def student_rate_of(self, phase: str) -> float:
+        return self.student_rates.get(phase, self.student_rate)
 
 
-def device_for(name: str, teacher_tflops: float | None, student_tflops: float | None) -> Device:
-    """The device `name` (a key of DEVICES, or cpu) with its rates: measured ones where given."""
+def device_for(
+    name: str, teacher_tflops: float | None, student_tflops: float | None, recalibrate: bool = False
+) -> Device:
+    """The device `name` (a key of DEVICES, or cpu) with its rates: measured ones where given. A CPU's rates are
+    calibrated once the plan knows the run's models and lengths (`calibrated`); until then, and for what calibration
+    cannot time, fractions of its matmul rate."""
     if name == "cpu":
         from distill.stages.cost import cpu_matmul_flops
 
@@ -72,7 +81,9 @@ def device_for(name: str, teacher_tflops: float | None, student_tflops: float | 
         rates = f"{CPU_TEACHER_UTILISATION:.0%} / {CPU_STUDENT_UTILISATION:.0%} of this CPU's float32 matmul rate"
         rates += f" ({peak / 1e9:.0f} GFLOP/s, timed now)"
         teacher, student = peak * CPU_TEACHER_UTILISATION, peak * CPU_STUDENT_UTILISATION
-        device = Device("CPU (this machine)", teacher, student, rates, 0.0, 4, 4, process_base_bytes())
+        calibration = "again" if recalibrate else "kept"
+        base = process_base_bytes()
+        device = Device("CPU (this machine)", teacher, student, rates, 0.0, 4, 4, base, 0.0, calibration)
     else:
         kind = DEVICES[name]
         rates = f"{GPU_TEACHER_UTILISATION:.0%} / {GPU_STUDENT_UTILISATION:.0%} of the bf16 dense peak"
@@ -85,8 +96,27 @@ def device_for(name: str, teacher_tflops: float | None, student_tflops: float | 
             teacher_rate=teacher_tflops * 1e12 if teacher_tflops else device.teacher_rate,
             student_rate=student_tflops * 1e12 if student_tflops else device.student_rate,
             rates="measured (--teacher_tflops / --student_tflops)",
+            calibration="",
         )
     return device
+
+
+def calibrated(device: Device, teacher_rate: float | None, student_rates: dict[str, float], line: str) -> Device:
+    """The device with the rates calibration timed (or read kept): what it could not time keeps its matmul share."""
+    untimed = []
+    if teacher_rate is None:
+        untimed.append(f"the teacher's side {CPU_TEACHER_UTILISATION:.0%}")
+    if not student_rates:
+        untimed.append(f"the student {CPU_STUDENT_UTILISATION:.0%}")
+    if untimed:
+        line = "; ".join(filter(None, [line, f"{' and '.join(untimed)} of this CPU's float32 matmul rate"]))
+    return replace(
+        device,
+        teacher_rate=teacher_rate or device.teacher_rate,
+        student_rates=student_rates,
+        rates=line or device.rates,
+        calibration="",
+    )
 
 
 def process_base_bytes() -> int:
