@@ -298,8 +298,8 @@ FLOOR_VARIANTS = [
 
 
 def run_floor(args: argparse.Namespace, results: Results) -> None:
-    from distill.batching import TokenizedTexts
     from distill.students.head import embedding_dim
+    from distill.tokens import TokenizedTexts
 
     if torch.cuda.is_available():
         results.add("matmul_bf16", matmul_rate())
@@ -416,8 +416,8 @@ def peer(args: argparse.Namespace, spec: dict, name: str) -> dict:
 
 
 def run_e2e(args: argparse.Namespace, results: Results) -> None:
-    from distill.batching import TokenizedTexts
     from distill.students.head import embedding_dim
+    from distill.tokens import TokenizedTexts
 
     teacher, student = models(args)
     spec = e2e_spec(args, teacher, student)

@@ -154,10 +154,10 @@ def within(found: dict[str, float], precision: str) -> dict:
 def check_bert(models: dict[str, Path], precision: str) -> dict:
     """The BERT student padded and as the run's attention decision would train it unpadded."""
     from conftest import sentences
-    from distill.batching import TokenizedTexts
     from distill.students import kind_of
     from distill.students.attention import choose_attention, use_unpadded_batches
     from distill.students.transformer import load_student
+    from distill.tokens import TokenizedTexts
 
     padded = load_student(str(models["bert"]), attention_dropout=0.0)
     unpadded = load_student(str(models["bert"]), attention_dropout=0.0)
@@ -180,8 +180,8 @@ def check_mpnet(models: dict[str, Path], precision: str) -> dict:
     from sentence_transformers import SentenceTransformer
 
     from conftest import sentences
-    from distill.batching import TokenizedTexts
     from distill.students.transformer import load_student
+    from distill.tokens import TokenizedTexts
 
     fused = load_student(str(models["mpnet"]), attention_dropout=0.0)
     if not all(getattr(m, "fused_attention", False) for m in fused.modules() if type(m).__name__ == "MPNetEncoder"):

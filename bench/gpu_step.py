@@ -90,12 +90,12 @@ def student_row(path: Path, texts: list[str], batch_size: int, args: argparse.Na
     """
     from accelerate.utils import compile_regions
 
-    from distill.batching import TokenizedTexts
     from distill.losses import LossWeights, alignment_loss
     from distill.students import kind_of
     from distill.students.attention import choose_attention, use_unpadded_batches
     from distill.students.head import embedding_dim
     from distill.students.transformer import load_student
+    from distill.tokens import TokenizedTexts
 
     student = load_student(str(path), max_seq_length=gpu.MAX_LENGTH, attention_dropout=0.0)
     if options.get("eager"):

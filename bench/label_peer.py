@@ -43,8 +43,8 @@ def main() -> int:
     from sentence_transformers.sentence_transformer.training_args import BatchSamplers
 
     from distill.config import load_config
+    from distill.data import load_data
     from distill.pipeline import teacher_stage
-    from distill.stages.data import load_data
     from distill.stages.scoring import eval_inputs, evaluate_student
     from distill.students import student_kind
     from distill.students.head import DistillationModel, embedding_dim, matryoshka_dims

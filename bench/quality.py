@@ -124,8 +124,9 @@ def run_peer(config, output_dir: Path, args: argparse.Namespace, budget_s: float
     from sentence_transformers.sentence_transformer import losses
     from torch import nn
 
+    from distill.data import load_data
+    from distill.data.containers import passage_texts
     from distill.pipeline import teacher_stage
-    from distill.stages.data import load_data, passage_texts
     from distill.stages.scoring import eval_inputs, evaluate_student
     from distill.students import student_kind
     from distill.students.head import DistillationModel, dense_module, embedding_dim, matryoshka_dims

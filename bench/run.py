@@ -87,7 +87,7 @@ def workload_texts(count: int) -> tuple[list[str], str]:
 
 
 def _clean(texts: list[str]) -> list[str]:
-    """What distill.stages.data.clean_texts keeps: non-empty strings, whitespace collapsed, first of each duplicate."""
+    """What distill.data.cleaning.clean_texts keeps: non-empty strings, whitespace collapsed, first of each repeat."""
     cleaned = (" ".join(t.split()) for t in texts if isinstance(t, str) and t.strip())
     return list(dict.fromkeys(cleaned))
 

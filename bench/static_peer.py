@@ -35,10 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     from model2vec.train import StaticModelForSimilarity
 
     from distill.config import load_config
+    from distill.data import load_data
+    from distill.data.containers import EvalVectors
     from distill.hub import model_fingerprint, resolve_model
     from distill.metrics import score
     from distill.pipeline import teacher_context
-    from distill.stages.data import EvalVectors, load_data
     from distill.stages.targets import TeacherCache
     from distill.students.head import pca_basis
     from distill.students.static import DEFAULT_DIM, source_model

@@ -21,7 +21,7 @@ import sys, time
 from pathlib import Path
 import numpy as np
 from transformers import AutoTokenizer
-from distill.batching import TokenizedTexts
+from distill.tokens import TokenizedTexts
 from distill.hub import resolve_model
 from distill.tokens import cached_tokens
 

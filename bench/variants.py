@@ -34,7 +34,7 @@ def load_texts(spec: dict) -> list[str]:
     """The workload exactly as the toolkit reads it (same cleaning, same cap)."""
     from accelerate import PartialState
 
-    from distill.stages.data import load_phase1_texts
+    from distill.data import load_phase1_texts
 
     PartialState()  # distill's loaders log through accelerate, which wants its state initialised
     return load_phase1_texts(spec["texts_file"], spec["samples"])
@@ -58,7 +58,7 @@ def retrieval_scores(model, evaluation: dict, max_length: int) -> dict[str, floa
 
 def eval_teacher(spec: dict) -> dict:
     """Build the evaluation set once (file shared by every variant) and score the teacher on it."""
-    from distill.stages.data import embedded_eval_set
+    from distill.data.reading import embedded_eval_set
     from distill.teachers.local import load_teacher
 
     e = embedded_eval_set(spec["seed"], spec["eval_queries"])
@@ -217,9 +217,10 @@ def cached_teacher_vectors(spec: dict, texts: list[str]) -> np.ndarray:
 
 def floor(spec: dict, grouped: bool) -> dict:
     """Forward, loss, backward, AdamW step over pre-collated batches; nothing else is timed."""
-    from distill.batching import LengthGroupedBatchSampler, TokenizedTexts
+    from distill.batching import LengthGroupedBatchSampler
     from distill.students.head import embedding_dim, matryoshka_dims
     from distill.students.transformer import load_student
+    from distill.tokens import TokenizedTexts
 
     texts = load_texts(spec)
     targets = cached_teacher_vectors(spec, texts)

@@ -1,7 +1,7 @@
 """The teacher cache's upkeep: what is in it, and what no run can use again removed (distill/store.py writes it).
 
 It reads the layout distill/store.py writes (entries, staging folders, locks), and the entries under `data/` and
-`tokens/` that distill/prepared.py and distill/tokens.py keep beside it (a corpus's cleaned texts and its token
+`tokens/` that distill/data/kept.py and distill/tokens.py keep beside it (a corpus's cleaned texts and its token
 ids, made again by the next run that needs them). A run that reads an entry refreshes its manifest's (or
 fields.json's) modification time, which is what `prune --unused_days` goes by. How the key is made and
 the vectors computed is the teacher stage's business (distill/stages/targets.py).
@@ -63,7 +63,7 @@ class CacheItem:
         return lock_file(self.path.parent, self.key)
 
 
-AREAS = ("data", "tokens")  # sub-folders of kept data (distill/prepared.py) and token ids (distill/tokens.py)
+AREAS = ("data", "tokens")  # sub-folders of kept data (distill/data/kept.py) and token ids (distill/tokens.py)
 
 
 def scan(cache_dir: Path) -> list[CacheItem]:

@@ -18,10 +18,9 @@ from pathlib import Path
 from textwrap import indent
 from typing import TYPE_CHECKING, Any
 
+from distill.data.reading import lenient
 from distill.errors import DistillError
 from distill.hub import resolve_model
-from distill.records import resolve_source
-from distill.stages.data import EMBEDDED
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -72,26 +71,6 @@ def card_scores(figures: dict) -> dict[RunScores, dict[str, float]]:
     return scores
 
 
-def hub_dataset_id(source: str) -> str | None:
-    """The Hub id of a data source that names a Hub dataset (`NAME` or `NAME:SUBSET`), else None."""
-    if source in (EMBEDDED, "auto", "none"):
-        return None
-    try:
-        path, _ = resolve_source(source)
-    except DistillError:  # a local path that is gone by now: not a Hub dataset either
-        return None
-    return None if path.exists() else str(path)
-
-
-def source_name(source: str, phase: str, settings: dict) -> str:
-    """How the card names a phase's data source: its Hub id, its file name, or what the embedded data is."""
-    if source == EMBEDDED:
-        from distill.embedded import DESCRIPTIONS  # the demo's data, named only when it was used
-
-        return DESCRIPTIONS[phase]
-    return hub_dataset_id(source) or Path(source).name
-
-
 def train_datasets(settings: dict, figures: dict) -> list[dict[str, Any]]:
     """One entry per trained phase: its data, the examples it trained on, its columns and its loss."""
     weights = {k: settings[k] for k in ("cosine_weight", "mse_weight") if k in settings}
@@ -108,9 +87,9 @@ def train_datasets(settings: dict, figures: dict) -> list[dict[str, Any]]:
     for phase, figures_of_phase in (figures.get("phases") or {}).items():
         key, columns, loss, loss_config = phases[phase]
         source = str(settings.get(key, ""))
-        name = f"{source_name(source, phase, settings)} (phase {phase[-1]})"
+        name = f"{lenient(source).label(phase)} (phase {phase[-1]})"
         entry: dict[str, Any] = {"name": name, "columns": columns}
-        if dataset_id := hub_dataset_id(source):
+        if dataset_id := lenient(source).hub_id:
             entry["id"] = dataset_id
         if figures_of_phase.get("examples"):
             entry["size"] = figures_of_phase["examples"]

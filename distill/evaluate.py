@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 from unittest.mock import patch
 
+from distill.data.reading import NANOBEIR_HUB
 from distill.errors import DistillError, first_line
 from distill.runtime import ONNX_FILE, OnnxEncoder
-from distill.stages.data import NANOBEIR_HUB
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer

@@ -7,6 +7,9 @@ One way of keeping an entry (kept data, tokens, teacher vectors, reranker scores
 - `put_in_place` renames it in, then removes the copy it replaces; a whole copy already there stays;
 - `check` reads it back against `contents.json` (a small file whole, a large one by its size and 16 sampled
   blocks), so a torn file from a crash or a full disk is found and the entry rebuilt, never read.
+
+And what the entries are keyed by: a list of texts' fingerprint (`texts_fingerprint`), each text's digest
+(`text_digests`).
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ import os
 import shutil
 import socket
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from distill.errors import DistillError
@@ -31,6 +35,32 @@ from distill.errors import DistillError
 CONTENTS = "contents.json"  # an entry's manifest: each file's size and checksum
 WHOLE_READ = 4 << 20  # files up to this size are checked whole; larger ones by their size and sampled blocks
 SAMPLES, SAMPLE_BYTES = 16, 64 << 10
+
+
+DIGEST_BYTES = 16  # a text's digest: BLAKE2b, 16 bytes
+
+
+def texts_fingerprint(texts: Sequence[str]) -> str:
+    """A digest of a list of texts, in order (a column of distill/data/kept.py brings it computed)."""
+    known = getattr(texts, "fingerprint", None)
+    if known:
+        return known
+    digest = hashlib.sha256()
+    for text in texts:
+        encoded = text.encode("utf8")
+        digest.update(len(encoded).to_bytes(8, "little"))  # length prefix: ["ab","c"] != ["a","bc"]
+        digest.update(encoded)
+    return digest.hexdigest()
+
+
+def text_digests(texts: Sequence[str]) -> np.ndarray:
+    """Each text's 16-byte BLAKE2b digest, as numpy void: what an entry's per-text index holds (a column of
+    distill/data/kept.py brings them computed)."""
+    digests = getattr(texts, "digests", None)
+    if digests is not None:
+        return digests
+    raw = b"".join(hashlib.blake2b(text.encode("utf8"), digest_size=DIGEST_BYTES).digest() for text in texts)
+    return np.frombuffer(raw, dtype=f"V{DIGEST_BYTES}")
 
 
 def unique_suffix() -> str:

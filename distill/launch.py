@@ -19,7 +19,7 @@ from distill.errors import DistillError
 def check_inputs(config: Config) -> None:
     """The data paths a run reads and its output folder (a fresh run's must hold no checkpoints), without a model."""
     from distill.checkpoint import resume_requested
-    from distill.records import check_sources
+    from distill.data.reading import check_sources
     from distill.report import probe_output_dir
     from distill.teachers import check_teacher
 

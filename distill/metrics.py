@@ -15,7 +15,7 @@ import torch
 from scipy.stats import spearmanr
 from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
-from distill.stages.data import EvalSet, EvalVectors
+from distill.data.containers import EvalSet, EvalVectors
 
 if TYPE_CHECKING:
     pass

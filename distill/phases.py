@@ -29,20 +29,13 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
 
-from distill.batching import (
-    Phase1Batches,
-    Phase2Batches,
-    TokenBudgetBatchSampler,
-    TokenizedTexts,
-    assemble_chunks,
-    make_loader,
-)
+from distill.batching import Phase1Batches, Phase2Batches, TokenBudgetBatchSampler, make_loader
 from distill.config.schema import LossConfig, PerformanceConfig, PhaseConfig, TrainingConfig
+from distill.data.containers import DistillData, passage_texts
 from distill.errors import DistillError
 from distill.losses import LossWeights, alignment_loss, label_loss, reranker_loss, similarity_kl_loss
-from distill.stages.data import DistillData, passage_texts
 from distill.students import kind_of
-from distill.tokens import cached_tokens
+from distill.tokens import TokenizedTexts, assemble_chunks, cached_tokens
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer

@@ -2,7 +2,7 @@
 
     texts -> teacher embeddings -> student -> phase 1 -> phase 2 -> evaluation -> cost -> export -> publish
 
-1. data: phase-1 texts, phase-2 (query, passage) pairs, the held-out evaluation set    (stages/data.py)
+1. data: phase-1 texts, phase-2 (query, passage) pairs, the held-out evaluation set    (data/)
 2. teacher: embeddings of every text, sharded over processes, cached by content        (stages/targets.py)
 3. student: loaded by its kind, projection or basis fitted on the teacher's vectors    (stages/initialise.py)
 4. baseline: the teacher and the untrained student evaluated                           (stages/scoring.py)
@@ -35,19 +35,19 @@ from distill.checkpoint import PHASES as PHASE_ORDER
 from distill.checkpoint import CheckpointSettings, Resume, TrainingState, resume_requested
 from distill.config.flags import to_flat_dict
 from distill.config.schema import Config
+from distill.data import prepared_data
+from distill.data.containers import DistillData
 from distill.distributed import machine_share, main_decides, make_accelerator, on_main_process
 from distill.errors import OutOfMemory, TrainingStopped
 from distill.files import folder_bytes
 from distill.loop import train_phase, training_memory_message
 from distill.metrics import score
 from distill.phases import Phase, PhaseSettings, check_phase_sizes, make_phases, phase_settings
-from distill.prepared import prepared_data
 from distill.report import check_output_dir, prepare_output_dir, release_output_dir, results_table, write_results
 from distill.results import PhaseFigures, RunResults
 from distill.signals import PREEMPTION, agreed_stop
 from distill.stages.candidates import check_candidates, score_candidates
 from distill.stages.cost import CostTexts, Efficiency, measure_student
-from distill.stages.data import DistillData
 from distill.stages.export import deployable_model, export_models, push_to_hub
 from distill.stages.forms import forms_to_dict, measure_forms, remove, staging_folder
 from distill.stages.forms import wanted as onnx_wanted
@@ -79,7 +79,7 @@ from distill.tracking import tracker_config
 logger = get_logger(__name__)
 NO_EVALUATION = "(no evaluation set)"
 TOKENS = "tokens"  # under --teacher_cache_dir: each machine's tokenized texts (distill/tokens.py)
-DATA = "data"  # under --teacher_cache_dir: each machine's read and cleaned data (distill/prepared.py)
+DATA = "data"  # under --teacher_cache_dir: each machine's read and cleaned data (distill/data/kept.py)
 
 
 def run(config: Config) -> RunResults:

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import re
 import shutil
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -39,6 +38,7 @@ from typing import Literal, Protocol
 import numpy as np
 
 from distill.files import (
+    DIGEST_BYTES,
     check,
     drop_pages,
     put_in_place,
@@ -67,20 +67,9 @@ class TeacherDescription(Protocol):
 
 CACHE_FORMAT = 1
 TEXT_INDEX = "texts.npy"  # an entry's row -> its text's digest, so a run with other texts reuses its rows
-DIGEST_BYTES = 16
 
 
 CACHE_DTYPE = np.float16
-
-
-def text_digests(texts: Sequence[str]) -> np.ndarray:
-    """Each text's 16-byte BLAKE2b digest, as numpy void: what an entry's per-text index holds (a column of
-    distill/prepared.py brings them computed)."""
-    digests = getattr(texts, "digests", None)
-    if digests is not None:
-        return digests
-    raw = b"".join(hashlib.blake2b(text.encode("utf8"), digest_size=DIGEST_BYTES).digest() for text in texts)
-    return np.frombuffer(raw, dtype=f"V{DIGEST_BYTES}")
 
 
 KEY = re.compile(r"[0-9a-f]{32}")

@@ -12,18 +12,10 @@ from accelerate import Accelerator
 from sentence_transformers import SentenceTransformer
 
 from conftest import sentences
-from distill.batching import (
-    MAX_CUT_POINTS,
-    LengthGroupedBatchSampler,
-    Phase1Batches,
-    Phase2Batches,
-    TokenizedTexts,
-    assemble_chunks,
-    length_chunks,
-    make_loader,
-)
+from distill.batching import LengthGroupedBatchSampler, Phase1Batches, Phase2Batches, make_loader
 from distill.errors import OutOfMemory
 from distill.sharding import map_sharded
+from distill.tokens import MAX_CUT_POINTS, TokenizedTexts, assemble_chunks, length_chunks
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import gpu
 
 @pytest.fixture
 def tokens(tiny_models):
-    from distill.batching import TokenizedTexts
+    from distill.tokens import TokenizedTexts
 
     student = gpu.make_student(tiny_models["student"])
     return TokenizedTexts(student.tokenizer, sentences(96, seed=5), gpu.MAX_LENGTH)

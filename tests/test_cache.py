@@ -19,7 +19,7 @@ import pytest
 from distill import cache, tokens
 from distill.cache import human_bytes, list_cache, main, prune
 from distill.config import DataConfig
-from distill.prepared import prepared_data
+from distill.data import prepared_data
 from distill.store import claim, read_entry
 
 HOST = socket.gethostname()
@@ -278,7 +278,7 @@ def test_entries_of_another_cache_format_go_only_by_age(tmp_path: Path) -> None:
 
 @pytest.mark.usefixtures("partial_state")
 def test_kept_data_and_token_ids_are_listed_and_pruned_by_last_use(tmp_path: Path) -> None:
-    """The entries distill/prepared.py and distill/tokens.py keep under data/ and tokens/, made by their own
+    """The entries distill/data/kept.py and distill/tokens.py keep under data/ and tokens/, made by their own
     writers: listed with their sizes, and removed by --unused_days unless a run read them since."""
     (tmp_path / "texts.txt").write_text("".join(f"text {i}\n" for i in range(50)))
     config = DataConfig(phase1_data=str(tmp_path / "texts.txt"), phase2_data="none", eval_data="none")

@@ -10,12 +10,12 @@ from sentence_transformers import SentenceTransformer
 from distill.card import (
     card_scores,
     distill_section,
-    hub_dataset_id,
     model_card,
     phases_sentence,
     student_card_header,
     train_datasets,
 )
+from distill.data.reading import lenient
 from distill.students.kinds import StudentDescription
 
 RESULTS = {
@@ -88,8 +88,12 @@ def test_scores_and_sources() -> None:
     assert card_scores({}) == {}
     only_retrieval = card_scores({"student_after": {"ndcg@10": 0.5, "mrr@10": 0.4}})
     assert [s.name for s in only_retrieval] == ["held-out"]
-    assert hub_dataset_id("embedded") is None and hub_dataset_id("org/data:subset") == "org/data"
-    assert hub_dataset_id(__file__.replace(".py", ".jsonl")) is None  # a local path that is gone: no Hub id
+    assert lenient("embedded").hub_id is None and lenient("org/data:subset").hub_id == "org/data"
+    assert lenient(__file__.replace(".py", ".jsonl")).hub_id is None  # a local path that is gone: no Hub id
+    assert (
+        lenient("org/data:subset").label("phase2") == "org/data"
+        and lenient(__file__).label("phase1") == Path(__file__).name
+    )
 
 
 def test_distill_section_says_what_the_folder_holds() -> None:

@@ -11,20 +11,14 @@ from pathlib import Path
 
 import pytest
 
-import distill.stages.data as data_module
+import distill.data.reading as data_module
 from distill.config import DataConfig
+from distill.data import load_data, load_pairs, load_phase1_texts
+from distill.data.cleaning import clean_texts, hold_out
+from distill.data.containers import Pairs
+from distill.data.reading import embedded_eval_set, read_records
 from distill.embedded import corpus
 from distill.errors import DistillError
-from distill.records import read_records
-from distill.stages.data import (
-    Pairs,
-    clean_texts,
-    embedded_eval_set,
-    hold_out,
-    load_data,
-    load_pairs,
-    load_phase1_texts,
-)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -340,7 +334,7 @@ def test_a_users_own_data_is_evaluated_without_sts_and_loads_no_demo_module(tmp_
     rows = [{"query": f"question {i} about topic {i}", "passage": f"passage {i} on topic {i}."} for i in range(60)]
     pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
     code = (
-        "import sys\nfrom distill.config import DataConfig\nfrom distill.stages.data import load_data\n"
+        "import sys\nfrom distill.config import DataConfig\nfrom distill.data import load_data\n"
         f"data = load_data(DataConfig(phase2_data={str(pairs)!r}, max_eval_queries=10), 0, need_phase1=False)\n"
         "print(len(data.evaluation.queries), len(data.evaluation.sts_texts), 'distill.embedded' in sys.modules)"
     )
@@ -379,7 +373,7 @@ def test_max_samples_counts_usable_texts_not_raw_rows(tmp_path: Path, monkeypatc
     path = tmp_path / "spaced.txt"
     path.write_text("".join(f"sentence {i}\n\n" for i in range(100)))  # every other line blank
     assert load_phase1_texts(str(path), 40) == [f"sentence {i}" for i in range(40)]
-    monkeypatch.setattr("distill.records.CHUNK_ROWS", 3)  # datasets are read in chunks until enough are usable
+    monkeypatch.setattr("distill.data.reading.CHUNK_ROWS", 3)  # datasets are read in chunks until enough are usable
     rows = [{"query": "same", "passage": "same"}] * 5 + numbered_pairs(20)
     pairs = load_pairs(str(write_jsonl(tmp_path / "dupes.jsonl", rows)), 7, seed=0)
     assert len(pairs) == 7 and pairs.queries[0] == "same" and len(set(pairs.queries)) == 7
@@ -400,7 +394,7 @@ def test_text_file_that_is_not_utf8(tmp_path: Path) -> None:
 
 
 def test_text_file_is_read_line_by_line_with_the_whole_files_lines(tmp_path: Path) -> None:
-    from distill.records import iter_records
+    from distill.data.reading import iter_records
 
     path = tmp_path / "mixed.txt"
     text = "\ufeffbom first\r\nwindows\rold mac\nform\x0cfeed\nline\u2028separator\n\nemoji \U0001f600 here\nno end"
@@ -431,7 +425,7 @@ def test_a_large_data_file_is_read_under_a_bar(
     assert load_phase1_texts(str(text), 100_000) == lines and load_phase1_texts(str(rows), 100) == lines[:50]
     assert capsys.readouterr().err == ""
     monkeypatch.setattr(distill.files, "BAR_BYTES", 0)
-    monkeypatch.setattr(distill.records, "BAR_BYTES", 0)
+    monkeypatch.setattr(distill.data.reading, "BAR_BYTES", 0)
     assert load_phase1_texts(str(text), 100_000) == lines
     assert re.search(r"reading big\.txt: 100%.*\| 2\.\d+M/2\.\d+M \[", capsys.readouterr().err)
     assert load_phase1_texts(str(rows), 100) == lines[:50]

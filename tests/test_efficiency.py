@@ -13,6 +13,7 @@ import torch
 from sentence_transformers import SentenceTransformer
 
 from conftest import sentences
+from distill.data.containers import DistillData, EvalSet, Pairs
 from distill.report import report_figure, report_markdown
 from distill.stages import cost as efficiency
 from distill.stages.cost import (
@@ -26,7 +27,6 @@ from distill.stages.cost import (
     same_load,
     weights_bytes,
 )
-from distill.stages.data import DistillData, EvalSet, Pairs
 from distill.stages.tradeoff import cost_table, trade_off_line
 
 GPU = torch.device("cuda")  # a device off the CPU: no load probe (nothing runs on it)

@@ -87,7 +87,7 @@ def test_pooling_matches_sentence_transformers_modes() -> None:
 
 def test_the_forms_are_measured_in_a_folder_that_holds_the_deployable_model(tiny_models, tmp_path) -> None:
     """measure_forms, unstubbed: each form timed and scored through the runtime on its own staging folder."""
-    from distill.stages.data import EvalSet
+    from distill.data.containers import EvalSet
 
     model = DistillationModel(SentenceTransformer(str(tiny_models["student"]), device="cpu"), None)
     deployable = deployable_model(model)
@@ -173,8 +173,8 @@ def test_evaluate_scores_the_onnx_form_as_pytorch_scores_the_folder(tiny_models,
 def test_index_precision_scores_what_an_int8_and_a_binary_index_rank_by() -> None:
     """Bytes per text at each precision; near-copies of the corpus as queries rank their own row first at each;
     a binary index scores only its Hamming shortlist, by the float query against the +-1 bits."""
+    from distill.data.containers import EvalSet
     from distill.metrics import RESCORE, TOP_K, binary_scores, index_precision
-    from distill.stages.data import EvalSet
 
     rng = np.random.default_rng(0)
     corpus = rng.normal(size=(60, 64)).astype(np.float32)

@@ -14,7 +14,6 @@ import torch
 from sentence_transformers import SentenceTransformer
 
 from conftest import tiny_run_flags
-from distill.batching import TokenizedTexts
 from distill.config import load_config
 from distill.errors import DistillError
 from distill.students import KINDS as STUDENT_KINDS
@@ -23,6 +22,7 @@ from distill.students.kinds import ExtraFolder, LoadContext, StudentDescription,
 from distill.teachers import KINDS as TEACHER_KINDS
 from distill.teachers import TeacherContext, register_teacher_kind
 from distill.teachers.sources import Encoder, TeacherKind
+from distill.tokens import TokenizedTexts
 from distill.train import main
 
 TOY_DIM = 24

@@ -278,3 +278,67 @@ def test_no_two_modules_or_packages_have_names_alike() -> None:
     assert not shared, f"one name, several modules: {shared}"
     assert alike("teacher", "teachers") and alike("evaluate", "evaluation") and alike("plan", "planner")
     assert not alike("data", "distributed") and not alike("store", "static")
+
+
+def test_no_two_test_files_have_names_alike() -> None:
+    """Tests keep the code's rule: each file named by what it holds, and no two names read as one word."""
+    names = sorted(path.stem.removeprefix("test_") for path in PACKAGE.parent.joinpath("tests").glob("test_*.py"))
+    clashes = [f"test_{a}, test_{b}" for a in names for b in names if a < b and alike(a, b)]
+    assert not clashes, "test files alike:\n" + "\n".join(clashes)
+
+
+TYPES_MODULE = "data.containers"
+
+
+def test_the_datas_types_import_no_distill_module() -> None:
+    """The data's types are a leaf: every stage may import them, and they import nothing of the package."""
+    assert _imports(TYPES_MODULE) == set()
+    assert "data.containers" in _imports("metrics") and "data" not in _imports("metrics")  # the types, not the stage
+
+
+SOURCE_PARSER = "data.reading"
+SOURCE_WORDS = re.compile(r"source|given|_data\b|dataset")
+
+
+def source_splits(source: str) -> list[int]:
+    """Lines that take a data source string apart at its colon: `split`, `rsplit` or `partition` on ":" of an
+    expression that names a source (`source`, `eval_data`, `phase2_data`, a dataset)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in ("split", "rsplit", "partition") and node.args:
+                colon = isinstance(node.args[0], ast.Constant) and node.args[0].value == ":"
+                if colon and SOURCE_WORDS.search(ast.unparse(node.func.value)):
+                    lines.append(node.lineno)
+    return lines
+
+
+def test_a_source_string_is_split_in_one_module() -> None:
+    offenders = [
+        f"{module}:{number}: {_source(module).splitlines()[number - 1].strip()}"
+        for module in MODULES
+        if module != SOURCE_PARSER
+        for number in source_splits(_source(module))
+    ]
+    assert not offenders, "a source taken apart outside distill/data/reading.py:\n" + "\n".join(offenders)
+    assert source_splits(_source(SOURCE_PARSER))  # the one place, which the check sees
+    forms = ['kind = config.eval_data.split(":", 1)[0]\n', 'name, subset = source.rsplit(":", 1)\n']
+    assert all(source_splits(form) for form in forms) and not source_splits('host, port = address.split(":")\n')
+
+
+def private_imports(source: str) -> list[str]:
+    """Names starting with one underscore that an import statement takes from a distill module."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("distill"):
+            found += [
+                f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_") and not a.name.endswith("__")
+            ]
+    return found
+
+
+def test_no_module_imports_another_modules_private_name() -> None:
+    offenders = {module: private_imports(_source(module)) for module in MODULES}
+    offenders = {module: names for module, names in offenders.items() if names}
+    assert not offenders, f"private names imported across modules: {offenders}"
+    assert private_imports("from distill.records import _head_and_rest\n") == ["distill.records._head_and_rest"]

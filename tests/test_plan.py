@@ -228,11 +228,11 @@ def test_a_torn_rates_file_is_timed_again_and_a_gpu_plan_times_nothing(tiny_mode
 def test_a_cpu_process_base_is_read_with_the_data_loaded(tiny_models, tiny_data, tmp_path, monkeypatch):
     """A run holds its data and tokenizers beside its models, so a CPU's base RSS is read after the planner has them;
     a GPU's memory holds neither, and its base stays 0."""
-    import distill.stages.data
+    import distill.data
 
     read = []
-    load_data = distill.stages.data.load_data
-    monkeypatch.setattr(distill.stages.data, "load_data", lambda *a, **k: read.append(1) or load_data(*a, **k))
+    load_data = distill.data.load_data
+    monkeypatch.setattr(distill.data, "load_data", lambda *a, **k: read.append(1) or load_data(*a, **k))
     for module in (plan, plan_devices):
         monkeypatch.setattr(module, "process_base_bytes", lambda: 2000 if read else 1000)
     monkeypatch.setattr("distill.stages.cost.cpu_matmul_flops", lambda: 1e11)

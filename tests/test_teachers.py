@@ -394,7 +394,8 @@ def test_a_run_on_vectors_alone_trains_as_the_model_that_made_them(tiny_models, 
     common = {"max_samples_phase1": 48, "max_samples_phase2": 32, "save_to_artifacts": True, "efficiency_texts": 0}
     assert main(tiny_run_flags(tiny_models, tiny_data, model_out, **common)) == 0
     config = load_config(tiny_run_flags(tiny_models, tiny_data, model_out, **common))
-    from distill.stages.data import load_data, passage_texts
+    from distill.data import load_data
+    from distill.data.containers import passage_texts
 
     data = load_data(config.data, config.training.seed)
     all_texts = data.phase1_texts + data.phase2.queries + passage_texts(data.phase2)[0]

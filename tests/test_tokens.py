@@ -12,9 +12,8 @@ import torch
 from sentence_transformers import SentenceTransformer
 
 from conftest import sentences
-from distill.batching import FlatTexts, TokenizedTexts
 from distill.students.static import StaticTexts, load_static_student
-from distill.tokens import cached_tokens
+from distill.tokens import FlatTexts, TokenizedTexts, cached_tokens
 
 
 @pytest.fixture(scope="module")

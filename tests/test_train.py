@@ -25,8 +25,8 @@ from sentence_transformers.sentence_transformer.evaluation import (
 from conftest import build_tiny_decoder, reset_accelerate, shared_folder, tiny_run_flags
 from distill.allocator import find_tcmalloc, heap_allocator
 from distill.config import load_config
+from distill.data import load_data
 from distill.errors import DistillError
-from distill.stages.data import load_data
 from distill.stages.tradeoff import trade_off_line
 from distill.train import main
 
@@ -945,7 +945,7 @@ def test_gradient_checkpointing_changes_no_loss_and_stays_out_of_the_export(
 
 
 def test_rounded_batch_widths_change_no_loss(tiny_models, tiny_data, eager_run, tmp_path, monkeypatch):
-    from distill.batching import TokenizedTexts
+    from distill.tokens import TokenizedTexts
 
     widths = []
     features = TokenizedTexts.features
@@ -968,7 +968,7 @@ def test_rounded_batch_widths_change_no_loss(tiny_models, tiny_data, eager_run, 
 
 def test_forward_chunks_change_no_loss(tiny_models, tiny_data, eager_run, tmp_path, monkeypatch):
     """Phase 2 in length chunks trains as one padded batch does (to float rounding); 1 chunk is that batch."""
-    from distill.batching import TokenizedTexts
+    from distill.tokens import TokenizedTexts
 
     chunk_counts = []
     chunked_features = TokenizedTexts.chunked_features

@@ -23,9 +23,9 @@ from distill.config.flags import (
     HELP_GROUPS,
     LEAVES,
     SECTIONS,
-    _closest,
-    _convert,
     build_parser,
+    closest,
+    convert,
     dump_config,
     options_markdown,
     to_flat_dict,
@@ -105,7 +105,7 @@ def unknown_arguments(unknown: list[str]) -> list[str]:
     problems, after_flag = [], False
     for arg in unknown:
         if arg.startswith("-"):
-            problems.append(f"unknown argument '{arg}'{_closest(arg.lstrip('-').split('=')[0])}")
+            problems.append(f"unknown argument '{arg}'{closest(arg.lstrip('-').split('=')[0])}")
             after_flag = "=" not in arg
         elif after_flag:
             after_flag = False  # the unknown flag's value
@@ -160,10 +160,10 @@ def build_config(
             problems.append(_nested_section(key, value))
             continue
         if leaf is None:
-            problems.append(f"unknown config key '{key}'{_closest(str(key))}")
+            problems.append(f"unknown config key '{key}'{closest(str(key))}")
             continue
         try:
-            setattr(getattr(config, leaf.section), leaf.name, _convert(leaf, value))
+            setattr(getattr(config, leaf.section), leaf.name, convert(leaf, value))
         except DistillError as e:
             problems.append(str(e))
     config.dropped = tuple(drop_inherited(config, inherited or set(), typed or set()))

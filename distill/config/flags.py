@@ -84,7 +84,7 @@ def _kind(tp: Any) -> str:
     return {bool: "True or False", int: "an integer", float: "a number"}.get(tp, "a text")
 
 
-def _convert(leaf: _Leaf, value: Any) -> Any:
+def convert(leaf: _Leaf, value: Any) -> Any:
     """Turn a YAML or command-line value into the field's type, or raise DistillError."""
     optional = type(None) in typing.get_args(leaf.type)
     tp = _base_type(leaf.type)
@@ -133,7 +133,7 @@ def _typed(tp: Any, value: Any) -> Any:
     return str(value)
 
 
-def _closest(name: str) -> str:
+def closest(name: str) -> str:
     match = difflib.get_close_matches(name, list(FLAGS), n=1, cutoff=0.5)
     return f"; did you mean '{match[0]}'?" if match else "; valid keys are listed by --help"
 

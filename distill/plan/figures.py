@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from distill.config.schema import Config
+from distill.files import DIGEST_BYTES
 from distill.hub import ModelShape, config_folder, model_shape
 from distill.plan.devices import INTER_MACHINE_BYTES_PER_S, Device
-from distill.store import DIGEST_BYTES
 from distill.students.kinds import StudentFigures
 
 CACHE_ENTRY_OVERHEAD = 2 * 128 + 400  # an entry's two .npy headers and its manifest.json

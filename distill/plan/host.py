@@ -3,7 +3,7 @@
 The planner reads the data as the run reads it, so it measures what it can on this machine:
 
 - memory: each machine's first process reads the data once (texts as Python strings, the planner's own reading
-  measures them) and writes it to disk; every process then memory-maps the texts (distill/prepared.py) and holds
+  measures them) and writes it to disk; every process then memory-maps the texts (distill/data/kept.py) and holds
   their pages, not strings. A process to its first step holds the imports (the planner's RSS before reading), the
   run's own start (the Accelerator, the student, the caches' maps) and the texts' bytes; on a cold run the first
   process holds the tokens it is writing (4 bytes a token) on top, or the data as read, whichever is more. Counts

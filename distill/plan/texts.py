@@ -42,7 +42,7 @@ def length_stats(tokenizer: Any, texts: Sequence[str], prompt: str, max_length: 
 def tokenize_seconds(tokenizer: Any, texts: Sequence[str], passes: int = 2) -> float:
     """Seconds per text the run's tokenizing takes on this machine: the texts in chunks as the run cuts them, through
     the run's own call (no truncation), the best of `passes` (the first pays the tokenizer's warm-up)."""
-    from distill.batching import TOKENIZE_CHUNK, ids_of
+    from distill.tokens import TOKENIZE_CHUNK, ids_of
 
     encode, best = ids_of(tokenizer), float("inf")
     for _ in range(passes):
@@ -67,8 +67,9 @@ def text_lists(
 ) -> tuple[dict[str, tuple[str, Role, Sequence[str]]], DataReading]:
     """{name: (phase, role, texts)} for every list the teacher encodes, read as the run reads them; and what reading
     them cost here (seconds, resident bytes before and after)."""
+    from distill.data import load_data
+    from distill.data.containers import passage_texts
     from distill.plan.devices import peak_bytes, resident_bytes
-    from distill.stages.data import load_data, passage_texts
 
     before, started = resident_bytes(), time.perf_counter()
     data = load_data(config.data, config.training.seed, need_phase1, need_phase2)

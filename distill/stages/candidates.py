@@ -16,8 +16,8 @@ from accelerate.logging import get_logger
 
 from distill.allocator import release_freed_memory
 from distill.config.schema import RerankerConfig
+from distill.data.containers import DistillData, passage_texts
 from distill.errors import DistillError
-from distill.stages.data import DistillData, passage_texts
 from distill.stages.targets import CacheSettings, TeacherCache
 from distill.teachers import TeacherContext, make_reranker
 from distill.teachers.reranker import candidate_pairs

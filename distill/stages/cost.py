@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     import numpy as np
     from sentence_transformers import SentenceTransformer
 
-    from distill.stages.data import DistillData
+    from distill.data.containers import DistillData
 
 logger = logging.getLogger(__name__)
 

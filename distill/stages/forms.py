@@ -42,8 +42,8 @@ from distill.stages.tradeoff import QUALITY_LINE
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
 
+    from distill.data.containers import EvalSet
     from distill.stages.cost import CostTexts
-    from distill.stages.data import EvalSet
 
 logger = logging.getLogger(__name__)
 

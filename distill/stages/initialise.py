@@ -16,7 +16,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import send_to_device
 
-from distill.batching import TokenizedTexts
 from distill.distributed import main_decides, progress_bar
 from distill.hub import declared_dimension, resolve_model
 from distill.sharding import map_sharded
@@ -34,6 +33,7 @@ from distill.students.head import (
 )
 from distill.students.kinds import LoadContext
 from distill.teachers import check_teacher, local_model
+from distill.tokens import TokenizedTexts
 
 if TYPE_CHECKING:
     from distill.config.schema import ModeConfig, StudentConfig, TeacherConfig

@@ -17,17 +17,16 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 
-from distill.batching import TokenizedTexts
 from distill.checkpoint import TrainingState
+from distill.data.containers import DistillData, EvalSet, EvalVectors
 from distill.losses import truncate
 from distill.metrics import index_precision, score, set_retrieval
-from distill.stages.data import DistillData, EvalSet, EvalVectors
 from distill.stages.export import export_models
 from distill.stages.initialise import encode_student
 from distill.students import kind_of
 from distill.students.head import DistillationModel
 from distill.students.kinds import StudentDescription
-from distill.tokens import cached_tokens
+from distill.tokens import TokenizedTexts, cached_tokens
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer

@@ -33,6 +33,7 @@ from accelerate.logging import get_logger
 
 from distill.allocator import release_freed_memory
 from distill.config.schema import TeacherConfig
+from distill.data.containers import DistillData, EvalSet, EvalVectors, passage_texts, pick
 from distill.distributed import (
     agreed,
     any_process,
@@ -44,11 +45,9 @@ from distill.distributed import (
     writes_for_this_machine,
 )
 from distill.errors import DistillError
-from distill.files import mark_used
-from distill.prepared import pick
+from distill.files import mark_used, text_digests, texts_fingerprint
 from distill.sharding import map_sharded
 from distill.stages.cost import CostTexts, ModelCost, TeacherCosts, device_label
-from distill.stages.data import DistillData, EvalSet, EvalVectors, passage_texts
 from distill.stages.negatives import mined_negatives
 from distill.store import (
     CACHE_FORMAT,
@@ -58,11 +57,9 @@ from distill.store import (
     read_entry,
     read_index,
     read_json_or_empty,
-    text_digests,
     wait_while_held,
 )
 from distill.teachers import CachedSource, Encoder, Source, TeacherContext, make_source, members_of
-from distill.tokens import texts_fingerprint
 
 logger = get_logger(__name__)
 

@@ -8,7 +8,7 @@ passed in as the attention mask, so a GPU runs a fused kernel instead (the effic
 also takes the bias's gradient). It patches the instance's forward methods only: the weights, the config and
 the exported folder are MPNet's own, and a plain `SentenceTransformer(path)` loads them as ever.
 
-Equal to the eager forward and backward within float32 rounding (tests/test_students.py).
+Equal to the eager forward and backward within float32 rounding (tests/test_attention.py).
 
 `use_unpadded_batches` trains a student whose transformers class takes its attention from transformers'
 attention interface (BERT, RoBERTa, XLM-R, ModernBERT...) on unpadded batches: the batch's texts end to end

@@ -18,11 +18,11 @@ if TYPE_CHECKING:
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from distill.batching import TokenizedTexts
     from distill.config.constraints import Scope
     from distill.config.schema import StudentConfig, TeacherConfig
     from distill.hub import ModelShape
     from distill.stages.cost import CostTexts, ModelCost
+    from distill.tokens import TokenizedTexts
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class StudentKind:
         raise NotImplementedError
 
     def texts(self, model: SentenceTransformer) -> Callable[..., TokenizedTexts]:
-        from distill.batching import TokenizedTexts
+        from distill.tokens import TokenizedTexts
 
         return TokenizedTexts
 

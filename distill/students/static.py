@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from distill.batching import TokenizedTexts
 from distill.config.constraints import Scope
 from distill.errors import DistillError
 from distill.files import check, staged_folder, write_atomic
 from distill.hub import ModelShape, config_folder, model_fingerprint, resolve_model, tokenizer_of
 from distill.students.kinds import ExtraFolder, LoadContext, StudentDescription, StudentFigures, StudentKind
+from distill.tokens import TokenizedTexts
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer

@@ -33,8 +33,8 @@ from distill.students.kinds import LoadContext, StudentDescription, StudentFigur
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
 
-    from distill.batching import TokenizedTexts
     from distill.config.schema import StudentConfig, TeacherConfig
+    from distill.tokens import TokenizedTexts
 
 logger = get_logger(__name__)
 
@@ -264,7 +264,7 @@ class TransformerKind(StudentKind):
     def texts(self, model: SentenceTransformer) -> Callable[..., TokenizedTexts]:
         """Padded ids; a student switched to unpadded attention (distill/students/attention.py) takes its batch's
         texts end to end."""
-        from distill.batching import FlatTexts, TokenizedTexts
+        from distill.tokens import FlatTexts, TokenizedTexts
 
         offset = getattr(model, "position_offset", None)
         return TokenizedTexts if offset is None else partial(FlatTexts, position_offset=offset)

@@ -20,7 +20,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
-from distill.batching import TOKENIZE_CHUNK
 from distill.errors import DistillError
 from distill.files import read_json
 from distill.hub import (
@@ -35,6 +34,7 @@ from distill.hub import (
 from distill.stages.cost import CostTexts, ModelCost, TeacherCosts, measure
 from distill.store import Role
 from distill.teachers.sources import Encoder, TeacherContext, TeacherKind
+from distill.tokens import TOKENIZE_CHUNK
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer

@@ -28,12 +28,12 @@ from typing import IO, TYPE_CHECKING
 import numpy as np
 import torch
 
+from distill.data.containers import pick
+from distill.data.reading import pick_column
 from distill.distributed import writes_for_this_machine
 from distill.errors import DistillError
-from distill.files import check, drop_pages, staged_folder
-from distill.prepared import pick
-from distill.records import pick_column
-from distill.store import Role, text_digests
+from distill.files import check, drop_pages, staged_folder, text_digests
+from distill.store import Role
 from distill.teachers.sources import Caches, Encoder, Source
 
 if TYPE_CHECKING:

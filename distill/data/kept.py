@@ -21,12 +21,10 @@ pyarrow's IPC files are what `datasets` keeps its cache in; they are written her
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterator, Sequence
-from importlib import metadata
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, overload
 
@@ -34,29 +32,19 @@ import numpy as np
 import pyarrow as pa
 
 from distill.config.schema import DataConfig
+from distill.data.containers import DistillData, EvalGroup, EvalSet, Pairs
+from distill.data.reading import collected, lenient, sources_read, warn
 from distill.distributed import machine_first, main_decides
 from distill.errors import DistillError
-from distill.files import check, mark_used, read_json, staged_folder
+from distill.files import DIGEST_BYTES, check, mark_used, read_json, staged_folder, text_digests, texts_fingerprint
 from distill.hub import dataset_revision
-from distill.records import EMBEDDED, pinned, resolve_source
-from distill.stages.data import (
-    NANOBEIR,
-    NANOBEIR_HUB,
-    DistillData,
-    EvalGroup,
-    EvalSet,
-    Pairs,
-    collected,
-    load_data,
-    nanobeir_eval_set,
-    warn,
-)
-from distill.store import DIGEST_BYTES, text_digests
-from distill.tokens import texts_fingerprint
 
 PREPARED_FORMAT = 1
+
 WRITE_ROWS = 65_536  # texts a record batch of the files holds
+
 READ_ROWS = 8_192  # texts turned into Python strings at a time when a column is iterated
+
 MINED_LATER = {"mine_hard_negatives"}  # data options `load_data` does not read (the teacher stage mines)
 
 
@@ -130,87 +118,13 @@ class Negatives(Sequence[list[str]]):
         return self.flat[position * self.width : (position + 1) * self.width]
 
 
-def pick(texts: Sequence[str], rows: Sequence[int] | np.ndarray) -> list[str]:
-    """`[texts[i] for i in rows]`, gathered at once from a `TextColumn`."""
-    if isinstance(texts, TextColumn):
-        return texts.pick(rows)
-    return [texts[i] for i in rows]
-
-
-def prepared_data(
-    config: DataConfig, seed: int, need_phase1: bool, need_phase2: bool, folder: Path | None
-) -> DistillData:
-    """`load_data`'s result, read once per machine into `folder` and memory-mapped from there by every process
-    (without a folder, or with phase data from a Hub dataset whose commit the Hub cannot name: read here). A Hub
-    dataset is read at the commit the main process was told, on every machine."""
-    commits = hub_commits(config, need_phase1, need_phase2)
-    stamps = source_stamps(config, need_phase1, need_phase2, commits)  # what a resume compares with its checkpoint's
-    with pinned(commits):
-        evaluated = hub_dataset(source_name(config.eval_data))
-        if folder is not None and evaluated is not None and commits.get(evaluated) is None:
-            # NanoBEIR offline, or from a Hub that cannot date it: each process reads it (13 small datasets from
-            # datasets' own cache), and the phase data, which may be millions of texts, are still kept once
-            kept = dataclasses.replace(config, eval_data="none")
-            data = prepared_data_at(kept, seed, need_phase1, need_phase2, folder, commits)
-            evaluation = nanobeir_eval_set(config.eval_data, config.nanobeir_datasets)
-            return dataclasses.replace(data, evaluation=evaluation, stamps=stamps)
-        data = prepared_data_at(config, seed, need_phase1, need_phase2, folder, commits)
-    return dataclasses.replace(data, stamps=stamps)
-
-
-def prepared_data_at(
-    config: DataConfig,
-    seed: int,
-    need_phase1: bool,
-    need_phase2: bool,
-    folder: Path | None,
-    commits: dict[str, str | None],
-) -> DistillData:
-    """`prepared_data` once the Hub's commits are known."""
-    key = data_key(config, seed, need_phase1, need_phase2, commits)
-    if folder is None or key is None:
-        return load_data(config, seed, need_phase1, need_phase2)
-    return kept_data(config, seed, need_phase1, need_phase2, folder / key)
-
-
-def kept_data(config: DataConfig, seed: int, need_phase1: bool, need_phase2: bool, entry: Path) -> DistillData:
-    """The data of `entry`, read and written there first by the machine's first process if it is not there yet."""
-    with machine_first():  # the machine's first process reads the data; the others map what it wrote
-        problem = check(entry)
-        if problem is not None and entry.exists():
-            warn(f"kept data {entry} is {problem}; reading the data again")
-        read = None if problem is None else read_and_keep(config, seed, need_phase1, need_phase2, entry)
-    if isinstance(read, DistillError):
-        raise read  # after the block: the machine's other processes meet it reading the same data, none waits alone
-    return load(entry, replay=True) if read is None else read
-
-
-def read_and_keep(
-    config: DataConfig, seed: int, need_phase1: bool, need_phase2: bool, entry: Path
-) -> DistillData | DistillError:
-    """The data read and written into `entry`, then read back from there; the data as read where the disk refuses
-    it; the error, where the data is bad."""
-    try:
-        with collected() as said:
-            data = load_data(config, seed, need_phase1, need_phase2)
-    except DistillError as error:
-        return error
-    try:
-        save(data, said, entry)
-    except OSError as error:  # a read-only or full disk: this run reads the data in each process
-        warn(f"cannot keep the data under {entry.parent} ({error.strerror or error}); each process reads it itself")
-        return data
-    del data
-    return load(entry, replay=False)
-
-
 def source_stamps(
     config: DataConfig, need_phase1: bool, need_phase2: bool, commits: dict[str, str | None]
 ) -> dict[str, str]:
     """Each source read -> a digest of its stamp (its files' sizes and times, or its Hub commit): what a resumed run
     compares with its checkpoint's, source by source (a resume may skip a phase, and so read fewer sources). A Hub
     dataset with no commit has none."""
-    stamps = {source: source_stamp(source, commits) for source in sources_read(config, need_phase1, need_phase2)}
+    stamps = {source.name: source.stamp(commits) for source in sources_read(config, need_phase1, need_phase2)}
     return {
         source: hashlib.sha256(json.dumps(stamp, default=str).encode()).hexdigest()[:16]
         for source, stamp in stamps.items()
@@ -219,14 +133,22 @@ def source_stamps(
 
 
 def data_key(
-    config: DataConfig, seed: int, need_phase1: bool, need_phase2: bool, commits: dict[str, str | None]
+    config: DataConfig,
+    seed: int,
+    need_phase1: bool,
+    need_phase2: bool,
+    commits: dict[str, str | None],
+    evaluation: bool = True,
 ) -> str | None:
     """The entry of this data: its options (each local source by its absolute path), the seed, the phases read,
-    and each source's stamp (None where a source is a Hub dataset with no commit in `commits`)."""
-    stamps = {source: source_stamp(source, commits) for source in sources_read(config, need_phase1, need_phase2)}
+    and each source's stamp (None where a source is a Hub dataset with no commit in `commits`). Without
+    `evaluation`, the entry holds the phases alone (a NanoBEIR evaluation set read beside them)."""
+    if not evaluation:
+        config = dataclasses.replace(config, eval_data="none")
+    stamps = {source.name: source.stamp(commits) for source in sources_read(config, need_phase1, need_phase2)}
     if None in stamps.values():
         return None
-    sources = {name: source_name(getattr(config, name)) for name in ("phase1_data", "phase2_data", "eval_data")}
+    sources = {name: lenient(getattr(config, name)).name for name in ("phase1_data", "phase2_data", "eval_data")}
     options = {k: v for k, v in dataclasses.asdict(config).items() if k not in MINED_LATER} | sources
     fields = {"format": PREPARED_FORMAT, "config": options, "seed": seed}
     fields |= {"phases": [need_phase1, need_phase2], "sources": stamps}
@@ -240,81 +162,38 @@ def hub_commits(config: DataConfig, need_phase1: bool, need_phase2: bool) -> dic
     machine. A process with no key reads alone while one with a key waits for its machine's first, so they must
     agree; and every machine must read the same rows.
     """
-    read = sources_read(config, need_phase1, need_phase2)
-    return main_decides(None, lambda: {name: dataset_revision(name) for name in hub_datasets(read)})
+    hub = sorted({source.hub_id for source in sources_read(config, need_phase1, need_phase2) if source.hub_id})
+    return main_decides(None, lambda: {name: dataset_revision(name) for name in hub})
 
 
-def sources_read(config: DataConfig, need_phase1: bool, need_phase2: bool) -> set[str]:
-    """The sources `load_data` reads for these phases, local paths made absolute."""
-    read = {config.eval_data} | ({config.phase1_data} if need_phase1 else set())
-    if need_phase2 or config.eval_data == "auto":  # "auto": the held-out pairs, or the embedded evaluation set
-        read.add(config.phase2_data)
-    return {source_name(source) for source in read}
+def kept_data(entry: Path, read_data: Callable[[], DistillData]) -> DistillData:
+    """The data of `entry`, read (`read_data`) and written there first by the machine's first process if it is not
+    there yet."""
+    with machine_first():  # the machine's first process reads the data; the others map what it wrote
+        problem = check(entry)
+        if problem is not None and entry.exists():
+            warn(f"kept data {entry} is {problem}; reading the data again")
+        read = None if problem is None else read_and_keep(entry, read_data)
+    if isinstance(read, DistillError):
+        raise read  # after the block: the machine's other processes meet it reading the same data, none waits alone
+    return load(entry, replay=True) if read is None else read
 
 
-def source_name(source: str) -> str:
-    """`source` with a local path made absolute (`nanobeir:FOLDER` and `FOLDER:SUBSET` included); any other
-    source as it is."""
-    if source in ("auto", "none", EMBEDDED, NANOBEIR):
-        return source
-    copy = nanobeir_copy(source)
-    prefix, rest = ("", source) if copy is None else (f"{NANOBEIR}:", copy)
+def read_and_keep(entry: Path, read_data: Callable[[], DistillData]) -> DistillData | DistillError:
+    """The data read and written into `entry`, then read back from there; the data as read where the disk refuses
+    it; the error, where the data is bad."""
     try:
-        path, subset = resolve_source(rest)
-    except DistillError:  # a bad path of a phase this run skips; one it reads is said when it is stamped
-        return source
-    if not path.exists():
-        return source
-    return prefix + str(path.resolve()) + (f":{subset['name']}" if subset else "")
-
-
-def nanobeir_copy(source: str) -> str | None:
-    """The Hub dataset or local folder a NanoBEIR source reads (`nanobeir`: its Hub copy); None for another
-    source."""
-    if source.split(":", 1)[0] != NANOBEIR:
-        return None
-    return source.split(":", 1)[1] if ":" in source else NANOBEIR_HUB
-
-
-def hub_datasets(sources: set[str]) -> list[str]:
-    """The Hub datasets `sources` name (NanoBEIR's included), sorted."""
-    return sorted(name for name in map(hub_dataset, sources) if name is not None)
-
-
-def hub_dataset(source: str) -> str | None:
-    """The Hub dataset `source` reads (`NAME`, `NAME:SUBSET`, `nanobeir`, `nanobeir:NAME`), else None."""
-    copy = nanobeir_copy(source)
-    if copy is not None:
-        return None if copy.startswith((".", "/", "~")) or Path(copy).expanduser().exists() else copy
-    if source in ("auto", "none", EMBEDDED):
-        return None
-    path, _ = resolve_source(source)
-    return None if path.exists() else str(path)
-
-
-def source_stamp(source: str, commits: dict[str, str | None]) -> list | None:
-    """What tells a source's content apart without reading it: each file's path, size and modification time;
-    the embedded corpus's own module files; a Hub dataset's commit from `commits` (None where it has none)."""
-    hub = hub_dataset(source)
-    if hub is not None:
-        commit = commits.get(hub)
-        return None if commit is None else [source, commit]
-    copy = nanobeir_copy(source)
-    if copy is not None:  # a local folder in NanoBEIR's format
-        if not Path(copy).expanduser().exists():
-            return None  # reading it says what NanoBEIR needs
-        source = copy
-    if source in ("auto", "none"):
-        files = []
-    elif source == EMBEDDED:  # the code that builds the embedded corpus, and the gensim wheel it reads
-        files = sorted(Path(__file__).parent.joinpath("embedded").glob("*.py"))
-        with contextlib.suppress(metadata.PackageNotFoundError):  # without it, reading says what to install
-            source = f"{source} {metadata.version('gensim')}"
-    else:
-        path, _ = resolve_source(source)
-        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    stats = [(str(p.resolve()), p.stat()) for p in files]
-    return [source, [(name, stat.st_size, stat.st_mtime_ns) for name, stat in stats]]
+        with collected() as said:
+            data = read_data()
+    except DistillError as error:
+        return error
+    try:
+        save(data, said, entry)
+    except OSError as error:  # a read-only or full disk: this run reads the data in each process
+        warn(f"cannot keep the data under {entry.parent} ({error.strerror or error}); each process reads it itself")
+        return data
+    del data
+    return load(entry, replay=False)
 
 
 def save(data: DistillData, said: list[str], entry: Path) -> None:

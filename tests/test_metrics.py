@@ -13,11 +13,11 @@ from scipy.stats import spearmanr
 from sentence_transformers import SentenceTransformer
 
 from conftest import sentences
-from distill.batching import TokenizedTexts
+from distill.data.containers import EvalSet, EvalVectors
 from distill.metrics import ndcg_per_query, retrieval_metrics, retrieval_ranks, score, sts_spearman
-from distill.stages.data import EvalSet, EvalVectors
 from distill.stages.scoring import EvalInputs, evaluate_student, evaluate_teacher, truncated
 from distill.students.head import DistillationModel, least_squares_projection
+from distill.tokens import TokenizedTexts
 
 
 def one_hot(index: int, dim: int, scale: float = 1.0) -> np.ndarray:

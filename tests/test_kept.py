@@ -1,4 +1,4 @@
-"""The data kept on disk once per machine (distill/prepared.py): what every process reads back equals what
+"""The data kept on disk once per machine (distill/data/kept.py): what every process reads back equals what
 `load_data` returns, a rerun reads no source, a changed source is read again, and the columns read as lists do."""
 
 from __future__ import annotations
@@ -12,22 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import distill.prepared as prepared
+import distill.data as data_stage
+import distill.data.kept as kept
+import distill.data.reading as reading
 from distill.config import DataConfig
-from distill.prepared import (
-    Negatives,
-    TextColumn,
-    data_key,
-    hub_commits,
-    pick,
-    prepared_data,
-    read_column,
-    write_column,
-)
-from distill.records import iter_records, pinned, revision
-from distill.stages.data import NANOBEIR_HUB, load_data, passage_texts
-from distill.store import text_digests
-from distill.tokens import texts_fingerprint
+from distill.data import load_data, prepared_data
+from distill.data.containers import passage_texts, pick
+from distill.data.kept import Negatives, TextColumn, data_key, hub_commits, read_column, write_column
+from distill.data.reading import NANOBEIR_HUB, iter_records, pinned, revision
+from distill.files import text_digests, texts_fingerprint
 
 pytestmark = pytest.mark.usefixtures("partial_state")
 
@@ -84,7 +77,7 @@ def test_a_rerun_reads_no_source_and_says_the_cap_again(
     def no_reading(*args: object, **kwargs: object) -> None:
         raise AssertionError("the data was read again")
 
-    monkeypatch.setattr(prepared, "load_data", no_reading)
+    monkeypatch.setattr(data_stage, "load_phases", no_reading)
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         again = prepared_data(config, 3, True, True, tmp_path / "cache")
@@ -129,9 +122,10 @@ def test_a_hub_dataset_is_keyed_by_its_commit_read_at_it_and_read_once(
 
     def from_local_files(hub: DataConfig, *args: object) -> object:  # the Hub's rows, served by the local files
         reads.append((hub.phase2_data, revision(hub.phase2_data)))
-        return load_data(DataConfig(**{**vars(hub), "phase2_data": config.phase2_data}), *args)
+        return phases(DataConfig(**{**vars(hub), "phase2_data": config.phase2_data}), *args)
 
-    monkeypatch.setattr(prepared, "load_data", from_local_files)
+    phases = data_stage.load_phases
+    monkeypatch.setattr(data_stage, "load_phases", from_local_files)
     hub = DataConfig(**{**vars(config), "phase2_data": "someone/pairs"})
     first = prepared_data(hub, 3, True, True, tmp_path / "cache")
     again = prepared_data(hub, 3, True, True, tmp_path / "cache")
@@ -172,32 +166,34 @@ def test_nanobeir_the_hub_cannot_date_is_read_by_each_process_and_the_phase_data
     """Offline, or with a Hub that does not answer, NanoBEIR has no commit to key by: each process reads it (from
     datasets' cache), and the phase data are still read once and kept. Once the Hub dates it, it is kept with them,
     read at its commit."""
-    import distill.stages.data as data_stage
-
     config = DataConfig(
         **{**vars(write_sources(tmp_path / "data")), "eval_data": "nanobeir", "nanobeir_datasets": "scifact"}
     )
     nanobeir_reads, loads = [], []
-    rows, load = data_stage._nanobeir_rows, prepared.load_data
+    rows, load = reading._nanobeir_rows, data_stage.load_evaluation
 
     def from_the_stand_in(dataset: str, subset: str, split: str) -> object:  # NanoBEIR-en, served by a local copy
         nanobeir_reads.append(revision(dataset))
         return rows(str(nanobeir_stand_in), subset, split)
 
-    monkeypatch.setattr(data_stage, "_nanobeir_rows", from_the_stand_in)
-    monkeypatch.setattr(prepared, "load_data", lambda data, *args: loads.append(data.eval_data) or load(data, *args))
-    expected = data_stage.nanobeir_eval_set("nanobeir", "scifact")
+    monkeypatch.setattr(reading, "_nanobeir_rows", from_the_stand_in)
+    monkeypatch.setattr(data_stage, "load_evaluation", lambda data: loads.append(reading.PINNED.get()) or load(data))
+    phases, phases_read = data_stage.load_phases, []
+    monkeypatch.setattr(data_stage, "load_phases", lambda *args: phases_read.append(1) or phases(*args))
+    expected = reading.nanobeir_eval_set("nanobeir", "scifact")
     nanobeir_reads.clear()
     first = prepared_data(config, 3, True, True, tmp_path / "cache")  # the stand-in Hub does not know NanoBEIR-en
     again = prepared_data(config, 3, True, True, tmp_path / "cache")
     assert first.evaluation == again.evaluation == expected and list(again.phase1_texts) == list(first.phase1_texts)
-    assert loads == ["none"] and nanobeir_reads == [None] * 6  # the phase data read once; NanoBEIR's 3 subsets twice
+    assert len(phases_read) == 1 and len(loads) == 2  # the phase data read once; NanoBEIR by each run, beside them
+    assert nanobeir_reads == [None] * 6  # its 3 subsets, twice
     assert len(list((tmp_path / "cache").iterdir())) == 1
 
     local_hub.datasets[NANOBEIR_HUB] = "e" * 40
     dated = prepared_data(config, 3, True, True, tmp_path / "cache")
     assert prepared_data(config, 3, True, True, tmp_path / "cache").evaluation == dated.evaluation == expected
-    assert loads[1:] == ["nanobeir"] and nanobeir_reads[6:] == ["e" * 40] * 3  # read once more, at its commit
+    assert len(phases_read) == len(loads) - 1 == 2  # read once more, with the phases, at its commit; then kept
+    assert nanobeir_reads[6:] == ["e" * 40] * 3
 
 
 def test_a_local_source_is_one_entry_however_its_path_is_written(
@@ -215,8 +211,8 @@ def test_a_local_source_is_one_entry_however_its_path_is_written(
 
 
 def test_a_column_reads_as_a_list_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(prepared, "WRITE_ROWS", 7)  # several chunks
-    monkeypatch.setattr(prepared, "READ_ROWS", 5)
+    monkeypatch.setattr(kept, "WRITE_ROWS", 7)  # several chunks
+    monkeypatch.setattr(kept, "READ_ROWS", 5)
     texts = [f"text {i} é" for i in range(40)] + ["", "last"]
     column = read_column(tmp_path / "texts", write_column(tmp_path / "texts", texts))
     assert column.array.num_chunks == 6 and len(column) == len(texts)
