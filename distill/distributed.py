@@ -172,12 +172,17 @@ def config_file_topology(accelerate_config: str) -> tuple[int, int | None]:
     return int(settings.num_machines or 1), processes if processes > 0 else None
 
 
-def maybe_relaunch(num_processes: int | None, argv: list[str], accelerate_config: str | None = None) -> int | None:
+def maybe_relaunch(
+    num_processes: int | None,
+    argv: list[str],
+    accelerate_config: str | None = None,
+    check: Callable[[], None] = lambda: None,
+) -> int | None:
     """Exit code of a relaunched run, or None when this process should train itself.
 
     With `accelerate_config`, a process not started by a launcher starts itself again under that file, on
     its `num_processes` unless `--num_processes` is given. The relaunch runs on this machine only, so a file
-    that names several machines is an error that says how to launch each one.
+    that names several machines is an error that says how to launch each one. `check` runs before a relaunch.
     """
     world = world_size()
     if accelerate_config and world == 1 and not os.environ.get(RELAUNCHED):
@@ -188,9 +193,7 @@ def maybe_relaunch(num_processes: int | None, argv: list[str], accelerate_config
                 f"on this machine only; on each machine run `accelerate launch --config_file {accelerate_config} "
                 "--machine_rank R -m distill.train [flags]` (README: Using it), without --accelerate_config"
             )
-        num_processes = num_processes or file_processes or 1
-        check_num_processes(num_processes)
-        return _relaunch(num_processes, argv, accelerate_config)
+        return _relaunch(num_processes or file_processes or 1, argv, accelerate_config, check)
     if num_processes is None or num_processes == world:
         return None
     if world > 1 or os.environ.get(RELAUNCHED):
@@ -198,13 +201,12 @@ def maybe_relaunch(num_processes: int | None, argv: list[str], accelerate_config
             f"--num_processes {num_processes} disagrees with the {world} processes this run was launched with; "
             "drop --num_processes or launch with the same number"
         )
+    return None if num_processes == 1 else _relaunch(num_processes, argv, accelerate_config, check)
+
+
+def _relaunch(num_processes: int, argv: list[str], accelerate_config: str | None, check: Callable[[], None]) -> int:
     check_num_processes(num_processes)
-    if num_processes == 1:
-        return None
-    return _relaunch(num_processes, argv, accelerate_config)
-
-
-def _relaunch(num_processes: int, argv: list[str], accelerate_config: str | None) -> int:
+    check()  # a bad input ends here, before a new interpreter imports torch to find it (about 7 s on 2 cores)
     if not torch.cuda.is_available() and num_processes > 1:
         print(
             f"distill: no CUDA GPU here: running {num_processes} CPU processes (gloo). This checks the "
@@ -220,34 +222,6 @@ def _relaunch(num_processes: int, argv: list[str], accelerate_config: str | None
         return subprocess.call(command, env=env, preexec_fn=_launcher_child)
     finally:
         signal.signal(signal.SIGINT, before)
-
-
-# Exit codes by which distill's ranks stop on purpose, having printed why: bad input (2), a non-finite loss (3),
-# Ctrl-C (130), SIGTERM (143). A launcher's traceback after them would only bury that line.
-STOPS_THAT_SAY_WHY = {2, 3, 130, 143}
-
-
-def launch(launcher_argv: list[str]) -> int:
-    """`accelerate launch` with `launcher_argv`; where every failed rank stopped on purpose, its code, quietly.
-
-    torch elastic reports a failed rank with a traceback of the launcher itself and a summary; for a run that
-    stopped on bad input, each rank has already printed the one line that matters. Any other failure (a
-    crash, a rank killed by a signal) keeps the launcher's report.
-    """
-    from accelerate.commands.launch import launch_command, launch_command_parser
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    args = launch_command_parser().parse_args(launcher_argv)
-    try:
-        launch_command(args)
-    except ChildFailedError as e:
-        # torch elastic SIGTERMs the other ranks once one fails; those show up as -SIGTERM, a consequence
-        codes = [failure.exitcode for failure in e.failures.values()]
-        stops = [code for code in codes if code in STOPS_THAT_SAY_WHY]
-        if stops and set(codes) <= STOPS_THAT_SAY_WHY | {-signal.SIGTERM}:
-            return stops[0]
-        raise
-    return 0
 
 
 def _launcher_child() -> None:

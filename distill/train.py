@@ -80,7 +80,10 @@ def train(config: Config, argv: list[str]) -> int:
     if speaks_for_the_job():  # settings of the --config file that a flag made irrelevant
         for warning in config.dropped:
             print(f"warning: {warning}", file=sys.stderr)
-    code = maybe_relaunch(config.launch.num_processes, argv, config.launch.accelerate_config)
+    from distill.launch import check_inputs
+
+    launch = config.launch
+    code = maybe_relaunch(launch.num_processes, argv, launch.accelerate_config, lambda: check_inputs(config))
     if code is not None:
         return code
     stop_with_the_launcher()

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from conftest import tiny_run_flags
-from distill.distributed import RELAUNCHED, launch, maybe_relaunch, relaunch_command, strip_flag
+from distill.distributed import RELAUNCHED, maybe_relaunch, relaunch_command, strip_flag
 from distill.errors import DistillError
+from distill.launch import launch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -221,11 +222,11 @@ def test_the_relaunch_leaves_out_the_launchers_report_of_stops_that_say_why(monk
 
 def test_the_launcher_stops_a_bad_input_and_launches_a_good_one(tiny_models, tiny_data, tmp_path, monkeypatch, capsys):
     """`python -m distill.launch`: the training flags are checked before `accelerate launch` runs, and only then."""
-    import distill.distributed
+    import distill.launch
     from distill.launch import main as launch_main
 
     launched = []
-    monkeypatch.setattr(distill.distributed, "launch", lambda argv: launched.append(argv) or 0)
+    monkeypatch.setattr(distill.launch, "launch", lambda argv: launched.append(argv) or 0)
     launcher = ["--num_machines", "1", "--num_processes", "2", "-m", "distill.train"]
     good = tiny_run_flags(tiny_models, tiny_data, tmp_path / "out")
     assert launch_main([*launcher, *good]) == 0 and launched == [[*launcher, *good]]
