@@ -2,7 +2,7 @@
 Arrow files that every process memory-maps.
 
 Without it every process holds the corpus as Python strings (about 400 bytes a text) and reads it again on every
-run. Here the machine's first process runs `load_data` (accelerate's `local_main_process_first`) and writes its
+run. Here the machine's first process reads the data (the stage's reader, `machine_first`) and writes its
 texts under `<teacher_cache_dir>/data/<key>/`, with each list's fingerprint and per-text digests (what the token and
 teacher caches key by), so no process hashes the corpus again. Every process then reads the texts back as
 `TextColumn`s over the mapped files: read-only sequences that a list's readers accept (an item is a `str`, a slice

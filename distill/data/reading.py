@@ -67,11 +67,6 @@ class Source:
     nanobeir: bool = False
 
     @property
-    def named(self) -> bool:
-        """`auto`, `none` or `embedded`: no file and no dataset."""
-        return self.path is None
-
-    @property
     def hub_id(self) -> str | None:
         """The Hub dataset it reads (NanoBEIR's copy included), else None."""
         if self.path is None or self.path.exists():

@@ -66,22 +66,22 @@ def calibrate(config: Config, models: Models, measured: list[TextList], again: b
 
     path = kept_path(config)
     kept = _read(path)
-    threads = torch.get_num_threads()
-    where = f"{processor()}, {threads} thread{'s' if threads != 1 else ''}"
+    machine = {"processor": processor(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+    where = f"{machine['processor']}, {machine['threads']} thread{'s' if machine['threads'] != 1 else ''}"
     timed: list[str] = []
     read: list[str] = []
     teacher_rate = None
     batch = config.performance.teacher_batch_size or config.training.batch_size
     teacher = _teacher_work(config, models, measured, batch)
     if teacher is not None:
-        teacher_rate, fresh = _rate(kept, teacher, again)
+        teacher_rate, fresh = _rate(kept, machine, teacher, again)
         (timed if fresh else read).append(
             f"{TIMED_STEPS} teacher batches of {teacher['texts']} x {teacher['length']} tokens through "
             f"{teacher['layers']} of its layers"
         )
     student: dict[str, float] = {}
     for phase, work in _student_work(config, models, measured).items():
-        student[phase], fresh = _rate(kept, work, again)
+        student[phase], fresh = _rate(kept, machine, work, again)
         shapes = " + ".join(f"{texts} x {length}" for texts, length in work["shapes"])
         (timed if fresh else read).append(f"{TIMED_STEPS} {phase} steps of the student at {shapes} tokens")
     if timed:
@@ -144,19 +144,11 @@ def _student_work(config: Config, models: Models, measured: list[TextList]) -> d
     return work
 
 
-def _rate(kept: dict[str, Any], work: dict[str, Any], again: bool) -> tuple[float, bool]:
-    """(the work's FLOP/s, whether it was timed now): the kept rate for this CPU and work, else timed."""
-    import torch
-
-    key = json.dumps(
-        {
-            "processor": processor(),
-            "threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            **{k: v for k, v in work.items() if k not in ("folder", "trust")},
-        },
-        sort_keys=True,
-    )
+def _rate(kept: dict[str, Any], machine: dict[str, Any], work: dict[str, Any], again: bool) -> tuple[float, bool]:
+    """(the work's FLOP/s, whether it was timed now): the rate kept for this `machine` (processor, threads, torch)
+    and work, else timed."""
+    shape = {k: v for k, v in work.items() if k not in ("folder", "trust")}
+    key = json.dumps({**machine, **shape}, sort_keys=True)
     if not again and isinstance(kept.get(key), dict) and kept[key].get("flops_per_second", 0) > 0:
         return float(kept[key]["flops_per_second"]), False
     rate = time_teacher(work) if work["kind"] == "teacher" else time_student(work)
