@@ -5,8 +5,9 @@
 `--model` is a distill run's exported phase-1 student (a run with `--skip_phase2 True`). This script trains it one
 epoch on that config's phase-2 pairs (distill's data stage reads and cleans them, so they are the very pairs
 distill's phase 2 trains on) with `SentenceTransformerTrainer` and `losses.MultipleNegativesRankingLoss`
-(scale 1/`--temperature`, 20 by default; the pairs' negatives as further candidates; `BatchSamplers.NO_DUPLICATES`),
-at the config's phase-2 learning rate, batch size, warm-up and seed. No teacher is involved: the labels alone.
+(scale 1/`--temperature`, 20 by default; the pairs' negatives, or those `--mine_hard_negatives` mines as the run
+does, as further candidates; `BatchSamplers.NO_DUPLICATES`), at the config's phase-2 learning rate, batch size,
+warm-up and seed. The labels alone: the teacher's vectors pick the mined negatives and nothing else.
 
 The model is scored before and after by `distill.stages.scoring.evaluate_student` on the config's held-out set, and
 OUTPUT/results.json holds both in the layout `bench/paired.py` reads (`student_before`, `student_after`, with
@@ -44,6 +45,7 @@ def main() -> int:
 
     from distill.config import load_config
     from distill.data import load_data
+    from distill.data.containers import passage_texts, pick
     from distill.pipeline import teacher_stage
     from distill.stages.scoring import eval_inputs, evaluate_student
     from distill.students import student_kind
@@ -65,9 +67,13 @@ def main() -> int:
 
     before = evaluate()
     pairs = data.phase2
+    # The candidates distill's phase 2 ranks: the data's own negatives, or those `--mine_hard_negatives` mined from
+    # the teacher's cached vectors (the teacher stage above mines them, as the run does).
+    texts, _ = passage_texts(pairs)
+    rows = teacher.passage_rows
     columns = {"anchor": list(pairs.queries), "positive": list(pairs.passages)}
-    for i in range(len(pairs.negatives[0]) if pairs.negatives else 0):
-        columns[f"negative_{i + 1}"] = [negatives[i] for negatives in pairs.negatives]
+    for i in range(1, rows.shape[1]):
+        columns[f"negative_{i}"] = pick(texts, rows[:, i])
     loss = losses.MultipleNegativesRankingLoss(student, scale=1 / config.losses.temperature)
     trainer_args = SentenceTransformerTrainingArguments(
         output_dir=str(output / "trainer"),
@@ -96,6 +102,7 @@ def main() -> int:
         "recipe": f"SentenceTransformerTrainer + losses.MultipleNegativesRankingLoss(scale={loss.scale})",
         "model": args.model,
         "pairs": len(pairs),
+        "negatives_per_pair": rows.shape[1] - 1,
         "optimizer_steps": steps,
         "train_seconds": round(seconds, 1),
         "student_before": before,

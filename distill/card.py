@@ -86,6 +86,8 @@ def train_datasets(settings: dict, figures: dict) -> list[dict[str, Any]]:
     entries = []
     for phase, figures_of_phase in (figures.get("phases") or {}).items():
         key, columns, loss, loss_config = phases[phase]
+        negatives = figures_of_phase.get("negatives") or {}
+        columns = columns + [f"negative_{i + 1}" for i in range(negatives.get("per_query", 0))]
         source = str(settings.get(key, ""))
         name = f"{lenient(source).label(phase)} (phase {phase[-1]})"
         entry: dict[str, Any] = {"name": name, "columns": columns}
@@ -221,6 +223,9 @@ def phases_sentence(figures: dict) -> str:
             continue
         gain = (stats.get("added") or {}).get("ndcg@10")
         added = f" ({gain:+.4f} nDCG@10)" if gain is not None else ""
+        negatives = stats.get("negatives") or {}
+        if count := negatives.get("per_query"):
+            terms[-1] += f", with {count} hard negative{'s' if count > 1 else ''} per query ({negatives['from']})"
         said.append(f"phase {phase[-1]} trained on {', '.join(terms)}{added}")
     sentence = "; ".join(said)
     return f"{sentence[:1].upper()}{sentence[1:]}." if said else ""

@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -344,6 +345,14 @@ def forget_end_checkpoint(accelerator: Accelerator, config: Config, trained_mode
     on_main_process(accelerator, remove)
 
 
+def negatives_of(teacher: TeacherVectors) -> dict[str, Any] | None:
+    """Phase 2's hard negatives per query, as results.json and the card state them (None: in-batch ones alone)."""
+    rows, mined = teacher.passage_rows, teacher.mined
+    if rows is None or rows.shape[1] == 1:
+        return None
+    return {"per_query": int(rows.shape[1] - 1), "from": "mined by the teacher" if mined else "the data"}
+
+
 def record_phase(
     state: TrainingState,
     phase: Phase,
@@ -366,6 +375,7 @@ def record_phase(
         losses=list(state.losses),
         examples=examples,
         terms=phase.terms(),
+        negatives=negatives_of(teacher) if phase.name == "phase2" else None,
     )
     if evaluations is not None:
         metrics = evaluations.final(model, state.optimizer_steps)

@@ -256,6 +256,8 @@ def report_markdown(results: dict, image_name: str | None = "report.png") -> str
         for phase, stats in phases.items():
             cells = [_cell(stats.get(field)) for field in PHASE_FIELDS]
             terms = ", ".join(f"{name} {weight:g}" for name, weight in (stats.get("terms") or {}).items())
+            if count := (stats.get("negatives") or {}).get("per_query"):
+                terms += f"; {count} hard negative{'s' if count > 1 else ''} per query ({stats['negatives']['from']})"
             gain = (stats.get("added") or {}).get("ndcg@10")
             cells += [terms, "" if gain is None else f"{gain:+.4f}"]
             lines.append(f"| {phase} | " + " | ".join(cells) + " |")

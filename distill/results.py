@@ -23,6 +23,7 @@ class PhaseFigures:
     losses: list[float]
     examples: int | None = None  # the texts or pairs the phase trains on (each epoch)
     terms: dict[str, float] | None = None  # the loss terms that trained it, by name, with their weights
+    negatives: dict[str, Any] | None = None  # phase 2: hard negatives per query, from the data or mined
     added: dict[str, float] | None = None  # what it changed of the evaluation's figures (nDCG@10, STS, ...)
 
 

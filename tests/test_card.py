@@ -119,6 +119,14 @@ def test_the_card_says_what_trained_each_phase_and_what_it_added() -> None:
         "similarities (KL), the pairs' own labels (MultipleNegativesRankingLoss) (+0.0251 nDCG@10)."
     )
     assert phases_sentence({}) == ""
+    # phase 2's hard negatives: the sentence and the dataset's columns name them
+    figures["phases"]["phase2"]["negatives"] = {"per_query": 1, "from": "mined by the teacher"}
+    assert phases_sentence(figures).endswith(
+        "the pairs' own labels (MultipleNegativesRankingLoss), with 1 hard negative per query (mined by the teacher) "
+        "(+0.0251 nDCG@10)."
+    )
+    mined = train_datasets(SETTINGS, {**RESULTS, "phases": figures["phases"]})
+    assert mined[1]["columns"] == ["query", "passage", "negative_1"]
     entries = train_datasets({**SETTINGS, "mnrl_weight": 1.0, "mnrl_margin": 0.0}, RESULTS)
     assert entries[1]["loss"]["fullname"] == "distill.losses.similarity_kl_loss + MultipleNegativesRankingLoss"
     assert '"mnrl_margin": 0.0' in entries[1]["loss"]["config_code"]

@@ -181,3 +181,11 @@ def test_a_second_run_in_one_output_dir_is_refused_while_the_first_is_alive(tmp_
         release_output_dir()
     assert not out.exists()
     probe_output_dir(out, fresh=True)  # free again
+
+
+def test_the_phases_table_names_phase_twos_hard_negatives() -> None:
+    data = results()
+    data["phases"]["phase2"] |= {"terms": {"similarity_kl": 1.0, "mnrl": 4.0}}
+    assert "| similarity_kl 1, mnrl 4 |" in report_markdown(data)  # in-batch negatives alone: nothing more said
+    data["phases"]["phase2"]["negatives"] = {"per_query": 2, "from": "the data"}
+    assert "| similarity_kl 1, mnrl 4; 2 hard negatives per query (the data) |" in report_markdown(data)

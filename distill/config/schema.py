@@ -251,7 +251,9 @@ class DataConfig:
     mine_hard_negatives: int = _opt(
         check=OFF_OR_POSITIVE,
         default=0,
-        help="Phase 2: per query, add N negatives the teacher ranks highest (when the data has none).",
+        help="Phase 2: per query, add N negatives the teacher ranks highest below its positive (when the data has "
+        "none). Each costs the student another passage per pair; with the labels (--mnrl_weight) the demo gains "
+        "most at 1 (docs/QUALITY.md).",
     )
 
 

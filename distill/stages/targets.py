@@ -409,6 +409,7 @@ class TeacherVectors:
     members: dict[str, EvalVectors] = field(default_factory=dict)  # a combined teacher's members, by name
     scores: np.ndarray | None = None  # the reranker's, of each query's passage_rows (distill/stages/candidates.py)
     reranker: dict[str, object] | None = None  # what results.json says of the reranker
+    mined: bool = False  # passage_rows' negatives were mined from the teacher's vectors, not the data's
 
     def fit_sample(self, data: DistillData) -> tuple[Sequence[str], np.ndarray | None]:
         """Texts and teacher vectors a projection or basis is fitted on: phase 1's, else phase 2's passages."""
@@ -476,14 +477,15 @@ def embed_with_teacher(
         cost = main_decides(accelerator, lambda: teacher.cost(cost_texts, key))
     teacher.release()
     release_freed_memory()  # the teacher's freed weights and activations go back to the OS
-    if rows is not None and cache.mine_hard_negatives and rows.shape[1] == 1:  # the data brings none
+    mined = rows is not None and cache.mine_hard_negatives > 0 and rows.shape[1] == 1  # the data brings none
+    if mined:
         # after the teacher is gone: on a GPU the search needs the device memory the teacher held
-        mined = mined_negatives(accelerator, cache.mine_hard_negatives, texts, queries, passages)
-        rows = np.concatenate([rows, mined], axis=1)
+        found = mined_negatives(accelerator, cache.mine_hard_negatives, texts, queries, passages)
+        rows = np.concatenate([rows, found], axis=1)
     load_seconds = teacher.load_seconds + phase1_load_seconds
     note = teacher.source.cost_note
     return TeacherVectors(
-        phase1, queries, passages, rows, evaluation, seconds, loaded, load_seconds, cost, note, members
+        phase1, queries, passages, rows, evaluation, seconds, loaded, load_seconds, cost, note, members, mined=mined
     )
 
 
