@@ -359,6 +359,8 @@ def test_shipped_minilm_on_embedded_data_gets_closer_to_the_teacher(tmp_path):
         # of this size has two passages 1.2e-7 apart in a query's top hits, which the two encoders order apart.
         "--mnrl_weight",
         "0",
+        "--mine_hard_negatives",  # the pairs alone, as the figures above were measured
+        "0",
     ]
     assert main(flags) == 0
     results = results_of(out)
@@ -654,7 +656,9 @@ def test_mined_hard_negatives_join_phase_two_without_re_encoding(tiny_models, ti
     counts = [json.loads((p / "manifest.json").read_text())["count"] for p in cache_entries]
     train_pairs = len(rows) - 16  # 16 pairs are held out for evaluation
     assert train_pairs in counts and 3 * train_pairs not in counts  # negatives reuse passages: nothing re-encoded
-    assert results_of(out)["phases"]["phase2"]["optimizer_steps"] > 0
+    phase2 = results_of(out)["phases"]["phase2"]
+    assert phase2["optimizer_steps"] > 0
+    assert phase2["negatives"] == {"per_query": 2, "from": "mined by the teacher"}  # results.json says so
     # on the accelerator's device: a launcher leaves each GPU process one CPU thread, too few for O(n^2 d)
     assert devices == [torch.device("cpu")]
     assert events == ["release teacher", "mine"]  # on a GPU the search takes the memory the teacher held
