@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from distill.data.reading import lenient
 from distill.errors import DistillError
 from distill.hub import resolve_model
+from distill.results import negatives_phrase
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -223,9 +224,8 @@ def phases_sentence(figures: dict) -> str:
             continue
         gain = (stats.get("added") or {}).get("ndcg@10")
         added = f" ({gain:+.4f} nDCG@10)" if gain is not None else ""
-        negatives = stats.get("negatives") or {}
-        if count := negatives.get("per_query"):
-            terms[-1] += f", with {count} hard negative{'s' if count > 1 else ''} per query ({negatives['from']})"
+        if negatives := negatives_phrase(stats):
+            terms[-1] += f", with {negatives}"
         said.append(f"phase {phase[-1]} trained on {', '.join(terms)}{added}")
     sentence = "; ".join(said)
     return f"{sentence[:1].upper()}{sentence[1:]}." if said else ""

@@ -18,7 +18,7 @@ from distill.config.schema import Config
 from distill.distributed import job_id, main_decides, on_main_process
 from distill.errors import DistillError
 from distill.files import unique_suffix, write_atomic, write_json_atomic
-from distill.results import ROWS, RunResults
+from distill.results import ROWS, RunResults, negatives_phrase
 from distill.stages.tradeoff import cost_table, trade_off_line
 from distill.store import claim, holder, lock_held
 
@@ -256,8 +256,8 @@ def report_markdown(results: dict, image_name: str | None = "report.png") -> str
         for phase, stats in phases.items():
             cells = [_cell(stats.get(field)) for field in PHASE_FIELDS]
             terms = ", ".join(f"{name} {weight:g}" for name, weight in (stats.get("terms") or {}).items())
-            if count := (stats.get("negatives") or {}).get("per_query"):
-                terms += f"; {count} hard negative{'s' if count > 1 else ''} per query ({stats['negatives']['from']})"
+            if negatives := negatives_phrase(stats):
+                terms += f"; {negatives}"
             gain = (stats.get("added") or {}).get("ndcg@10")
             cells += [terms, "" if gain is None else f"{gain:+.4f}"]
             lines.append(f"| {phase} | " + " | ".join(cells) + " |")

@@ -27,6 +27,14 @@ class PhaseFigures:
     added: dict[str, float] | None = None  # what it changed of the evaluation's figures (nDCG@10, STS, ...)
 
 
+def negatives_phrase(stats: dict) -> str:
+    """How a phase's record names its hard negatives ("1 hard negative per query (mined by the teacher)"), as the
+    report and the card say it; "" for in-batch negatives alone."""
+    negatives = stats.get("negatives") or {}
+    count = negatives.get("per_query")
+    return f"{count} hard negative{'s' if count > 1 else ''} per query ({negatives['from']})" if count else ""
+
+
 @dataclass
 class RunResults:
     """Every figure of a run. Rows left None (no evaluation set, one phase only) are left out of `results.json`."""
