@@ -146,18 +146,22 @@ def find_checkpoint(output_dir: str | os.PathLike, spec: str) -> Path | None:
     return path
 
 
-def read_state(path: Path, identity: dict) -> TrainingState:
+def read_state(path: Path, identity: dict, say: Callable[[str], None] = said.warning) -> TrainingState:
     """The checkpoint's state, after checking it was made with the same settings (`identity`).
 
     Only the settings the checkpoint recorded are compared (older checkpoints record teacher, student and mode
     only). YAML/JSON round trips turn tuples into lists, so values are compared
-    after the same round trip.
+    after the same round trip. A checkpoint saved in phase 1 resumes under other `PHASE2_SETTINGS`: phase 2 starts
+    afresh from it, so one phase-1 run serves several phase-2 trials. The state then records the new values, so
+    phase 2's own checkpoints resume only under them; `say` tells the user which changed.
     """
     state = TrainingState.from_json((path / STATE_FILE).read_text())
     identity = json.loads(json.dumps(identity))
-    different = {
+    recorded = {
         k: (state.identity[k], v) for k, v in identity.items() if k in state.identity and state.identity[k] != v
     }
+    free = PHASE2_SETTINGS if state.phase == PHASES[0] else set()
+    different = {k: values for k, values in recorded.items() if k not in free}
     if different:
         described = ", ".join(f"{k}: checkpoint has {old!r}, this run {new!r}" for k, (old, new) in different.items())
         if "global_batch_size" in different:
@@ -166,6 +170,10 @@ def read_state(path: Path, identity: dict) -> TrainingState:
             f"checkpoint {path} comes from a different run ({described}); resume with the same settings "
             "or start in a fresh --output_dir"
         )
+    if recorded:
+        changed = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in recorded.items())
+        say(f"checkpoint {path} is from phase 1; phase 2 trains with this run's settings ({changed})")
+        state.identity.update({k: new for k, (_, new) in recorded.items()})
     return state
 
 
@@ -268,6 +276,22 @@ def set_rng(rng: dict[str, torch.Tensor]) -> None:
 # fast, where and how precisely it computes (the performance section) and which phases it runs.
 RESUME_SECTIONS = ("model", "data", "phase1", "phase2", "training", "losses")
 RESUME_MAY_CHANGE = {"skip_phase1", "skip_phase2"}
+# What only phase 2 reads: how it trains and what it ranks. The teacher mines the negatives before phase 1, but
+# nothing phase 1 trains on or draws depends on them.
+PHASE2_SETTINGS = {
+    "phase2_epochs",
+    "phase2_lr",
+    "mine_hard_negatives",
+    "temperature",
+    "kl_weight",
+    "kl_memory_steps",
+    "matryoshka_full_teacher_similarity",
+    "mnrl_weight",
+    "mnrl_margin",
+    "reranker_loss",
+    "reranker_weight",
+    "reranker_temperature",
+}
 
 
 def run_identity(config: Config, world: int) -> dict:
@@ -327,7 +351,7 @@ class Resume:
         identity = run_identity(config, accelerator.num_processes)
         if checkpoint is None:
             return cls(TrainingState(identity=identity))
-        state = read_state(checkpoint, identity)
+        state = read_state(checkpoint, identity, lambda message: logger.warning(message, main_process_only=True))
         logger.warning(
             f"resuming from {checkpoint} ({state.phase}, optimizer step {state.optimizer_steps})",
             main_process_only=True,

@@ -414,9 +414,11 @@ def test_resume_refuses_other_training_settings_and_allows_the_same_global_batch
 
     folder_state = TrainingState(identity=json.loads(json.dumps(identity("--batch_size", "16", world=1))))
 
+    said: list[str] = []
+
     def resume_with(*argv: str, world: int = 1, state: TrainingState = folder_state) -> TrainingState:
         (tmp_path / "state.json").write_text(json.dumps(dataclasses.asdict(state)))
-        return read_state(tmp_path, identity(*argv, world=world))
+        return read_state(tmp_path, identity(*argv, world=world), said.append)
 
     assert resume_with("--batch_size", "8", world=2).identity["global_batch_size"] == 16  # elastic, same global
     resume_with("--batch_size", "16", "--mixed_precision", "bf16", "--teacher_batch_size", "64")  # speed only
@@ -426,10 +428,45 @@ def test_resume_refuses_other_training_settings_and_allows_the_same_global_batch
         resume_with("--batch_size", "16", "--seed", "7")
     with pytest.raises(DistillError, match=r"gradient_accumulation_steps: checkpoint has 1, this run 2"):
         resume_with("--batch_size", "16", "--gradient_accumulation_steps", "2")
-    with pytest.raises(DistillError, match=r"phase2_epochs"):
-        resume_with("--batch_size", "16", "--phase2_epochs", "9")
+    # phase 2 starts afresh from a phase-1 checkpoint, under any phase-2 settings; a phase-2 checkpoint keeps its own
+    trial = ("--batch_size", "16", "--phase2_epochs", "9", "--mnrl_weight", "8", "--mine_hard_negatives", "1")
+    assert resume_with(*trial).identity == identity(*trial)
+    assert said == [
+        f"checkpoint {tmp_path} is from phase 1; phase 2 trains with this run's settings (mine_hard_negatives 0 -> 1, "
+        "phase2_epochs 3 -> 9, mnrl_weight 4.0 -> 8.0)"
+    ]
+    in_phase2 = dataclasses.replace(folder_state, phase="phase2")
+    with pytest.raises(DistillError, match=r"phase2_epochs: checkpoint has 3, this run 9"):
+        resume_with(*trial, state=in_phase2)
+    with pytest.raises(DistillError, match=r"phase1_epochs: checkpoint has 1, this run 2"):
+        resume_with("--batch_size", "16", "--phase1_epochs", "2")
     old = TrainingState(identity={"teacher_model": "t", "student_model": "s"})  # an older checkpoint's identity
     assert resume_with("--batch_size", "8", state=old).identity == old.identity
+
+
+def test_a_phase1_checkpoint_tries_other_phase2_settings_as_runs_that_had_them_from_the_start(
+    tiny_models, tiny_data, tmp_path, caplog
+):
+    """One phase-1 run serves several phase-2 trials (docs/checkpoints.md): its last checkpoint, resumed in another
+    --output_dir with other phase-2 settings, trains the weights of a run given those settings from the start."""
+    from distill.train import main
+
+    def run(out: Path, *extra: str) -> None:
+        argv = tiny_run_flags(
+            tiny_models, tiny_data, out, teacher_cache_dir=tmp_path / "cache", eval_data="none", save_to_artifacts=True
+        )
+        assert main([*argv, *extra]) == 0
+        reset_accelerate()
+
+    trial = ("--phase2_lr", "3e-4", "--mnrl_weight", "2", "--mine_hard_negatives", "1", "--kl_weight", "0.5")
+    run(tmp_path / "phase1", "--skip_phase2", "True", "--checkpoint_steps", "1000")  # keeps its last checkpoint
+    (checkpoint,) = list_checkpoints(tmp_path / "phase1" / "checkpoints")
+    run(tmp_path / "trial", *trial, "--resume_from_checkpoint", str(checkpoint))
+    assert "phase 2 trains with this run's settings (mine_hard_negatives 0 -> 1" in caplog.text
+    run(tmp_path / "whole", *trial)
+    assert max_difference(weights(tmp_path / "trial"), weights(tmp_path / "whole")) == 0
+    trained = json.loads((tmp_path / "trial" / "results.json").read_text())["phases"]["phase2"]
+    assert trained["terms"]["mnrl"] == 2.0 and trained["negatives"]["per_query"] == 1
 
 
 def test_a_fresh_run_refuses_an_output_dir_with_an_earlier_runs_checkpoints(tiny_models, tiny_data, tmp_path, capsys):

@@ -443,7 +443,9 @@ class CheckpointConfig:
         default=False, help="With eval_steps: keep each phase's best model (by nDCG@10) in <output_dir>/best/<phase>."
     )
     resume_from_checkpoint: str | None = _opt(
-        default=None, help="'latest' (newest in output_dir, if any) or a checkpoint folder to continue from."
+        default=None,
+        help="'latest' (newest in output_dir, if any) or a checkpoint folder to continue from; a phase-1 checkpoint "
+        "also takes other phase-2 settings (docs/checkpoints.md).",
     )
 
 
