@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +24,13 @@ from distill.plan import make_plan
 from distill.plan import render as plan_render
 from distill.plan import texts as plan_texts
 from distill.plan.devices import device_for
+
+
+@pytest.fixture(autouse=True)
+def idle_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite's other worker keeps the load average up, and rates timed under load are not kept: here the CPU
+    reads idle, unless a test says otherwise."""
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
 
 
 def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -209,6 +217,13 @@ def test_a_cpu_plan_times_the_runs_own_work_and_keeps_it_per_processor(tiny_mode
     make_plan(config, device_for("cpu", None, None))
     assert sorted(timed) == ["student", "student", "teacher"]
     assert len(json.loads((tmp_path / "out" / "cache" / "cpu-rates.json").read_text())) == 6  # both processors'
+    timed.clear()  # other work holds the cores: the rates serve this plan, and are not kept
+    monkeypatch.setattr(calibration, "processor", lambda: "A busy CPU")
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.0 * (os.cpu_count() or 1), 0.0, 0.0))
+    busy = make_plan(config, device_for("cpu", None, None))
+    assert sorted(timed) == ["student", "student", "teacher"]
+    assert "not kept: other work ran (load average" in busy.assumptions["rates"]
+    assert len(json.loads((tmp_path / "out" / "cache" / "cpu-rates.json").read_text())) == 6
 
 
 def test_a_torn_rates_file_is_timed_again_and_a_gpu_plan_times_nothing(tiny_models, tiny_data, tmp_path, monkeypatch):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,12 +85,27 @@ def calibrate(config: Config, models: Models, measured: list[TextList], again: b
         student[phase], fresh = _rate(kept, machine, work, again)
         shapes = " + ".join(f"{texts} x {length}" for texts, length in work["shapes"])
         (timed if fresh else read).append(f"{TIMED_STEPS} {phase} steps of the student at {shapes} tokens")
-    if timed:
+    busy = _busy() if timed else None
+    if timed and busy is None:
         _write(path, kept)
     parts = [f"timed now on this CPU ({where}): " + "; ".join(timed)] if timed else []
+    if busy:
+        parts.append(f"not kept: other work ran ({busy}) and may have slowed them; plan again on an idle CPU")
     if read:
         parts.append(f"kept for this CPU ({where}) in {path}: " + "; ".join(read))
     return Rates(teacher_rate, student, ". ".join(parts))
+
+
+def _busy() -> str | None:
+    """Whether other work holds this CPU's cores, so that rates timed now come out slow: the 1-minute load average at
+    half the cores or more (None: idle enough, or no load average on this platform). A plan timed beside a training
+    run here kept rates 3x too slow; such rates serve the plan that timed them and are not kept."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    cores = os.cpu_count() or 1
+    return f"load average {load:.1f} on {cores} cores" if load >= max(1.0, cores / 2) else None
 
 
 def _teacher_work(config: Config, models: Models, measured: list[TextList], batch: int) -> dict[str, Any] | None:
