@@ -66,7 +66,7 @@ def test_token_vectors_split_over_processes_give_model2vecs_own_table(tiny_model
     teacher = str(tiny_models["teacher"])
     tokens = tmp_path / f"static-{static.model_fingerprint(teacher)[:16]}-tokens"
     static.token_vectors(teacher, tokens, static.Distilling(share=(1, 2)))  # the second process: files 1, 3, 5, ...
-    second = sorted(p.name for p in tokens.glob("*.npy"))
+    second = sorted(p.name for p in tokens.iterdir())
     assert second and all(int(name[:5]) % 2 == 1 for name in second)
     waits = []
     ours = static.distilled_embedding(
@@ -87,6 +87,20 @@ def test_token_vectors_split_over_processes_give_model2vecs_own_table(tiny_model
     monkeypatch.setattr("transformers.AutoModel.from_pretrained", no_model)
     again = static.distilled_embedding(teacher, 16, tmp_path)
     np.testing.assert_array_equal(again.embedding.weight.detach().numpy(), ours.embedding.weight.detach().numpy())
+
+
+def test_a_torn_file_of_token_vectors_is_computed_again(tiny_models, tmp_path, monkeypatch, caplog) -> None:
+    """The token vectors are kept in sealed folders: one cut short (a crash, a full disk) is found by its checksum
+    list, said in one line and computed again, and the table is the same."""
+    from distill.students import static
+
+    monkeypatch.setattr(static, "TOKEN_CHUNK", 16)
+    teacher, folder = str(tiny_models["teacher"]), tmp_path / "tokens"
+    whole = static.token_vectors(teacher, folder)[1]()
+    torn = sorted(folder.iterdir())[1] / static.TOKEN_VECTORS
+    torn.write_bytes(torn.read_bytes()[:200])
+    np.testing.assert_array_equal(static.token_vectors(teacher, folder)[1](), whole)
+    assert f"static token vectors {torn.parent} are torn (vectors.npy: 200 bytes" in caplog.text
 
 
 def test_surface_forms_are_the_texts_the_tokens_stand_for() -> None:

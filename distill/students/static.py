@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -36,7 +37,7 @@ import torch
 
 from distill.config.constraints import Scope
 from distill.errors import DistillError
-from distill.files import check, staged_folder, write_atomic
+from distill.files import check, staged_folder
 from distill.hub import ModelShape, config_folder, model_fingerprint, resolve_model, tokenizer_of
 from distill.students.kinds import ExtraFolder, LoadContext, StudentDescription, StudentFigures, StudentKind
 from distill.tokens import TokenizedTexts
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from distill.config.schema import StudentConfig, TeacherConfig
     from distill.stages.cost import CostTexts, ModelCost
 
+logger = logging.getLogger(__name__)  # each process says what it finds in its own share
 STATIC_NAME = "static"
 DEFAULT_DIM = 256
 MODEL2VEC_FOLDER = "model2vec"  # beside the SentenceTransformer folder in <artifacts_dir>
@@ -128,7 +130,8 @@ def load_static_student(
     return student.float()
 
 
-TOKEN_CHUNK = 4096  # vocabulary tokens per kept file of token vectors
+TOKEN_CHUNK = 4096  # vocabulary tokens per kept folder of token vectors
+TOKEN_VECTORS = "vectors.npy"
 SIF_COEFFICIENT = 1e-4  # model2vec's default token weighting
 UNUSED_TOKENS = r"\[unused\d+\]"  # model2vec's default: BERT's placeholder tokens leave the vocabulary
 
@@ -196,24 +199,29 @@ def token_vectors(path: str, folder: Path, how: Distilling = Distilling()) -> tu
             f"{path} has no vocabulary tokens left to distil; a static student needs a tokenizer's vocabulary"
         )
     chunks = [ids[start : start + TOKEN_CHUNK] for start in range(0, len(ids), TOKEN_CHUNK)]
-    files = [
-        folder / f"{i:05d}-{hashlib.sha256(json.dumps(chunk).encode()).hexdigest()[:12]}.npy"
+    shards = [  # each a sealed folder (distill/files.py): a torn or corrupt one is computed again
+        folder / f"{i:05d}-{hashlib.sha256(json.dumps(chunk).encode()).hexdigest()[:12]}"
         for i, chunk in enumerate(chunks)
     ]
-    mine = [i for i in range(how.share[0], len(chunks), how.share[1]) if not files[i].is_file()]
+    mine = []
+    for i in range(how.share[0], len(chunks), how.share[1]):
+        problem = check(shards[i])
+        if problem not in (None, "missing"):
+            logger.warning(f"static token vectors {shards[i]} are {problem}; computing them again")
+        if problem is not None:
+            mine.append(i)
     if mine:
         from skeletoken.external.transformers import reshape_embeddings
         from transformers import AutoModel
 
         model = AutoModel.from_pretrained(path, dtype=getattr(torch, how.dtype), device_map=how.device)
         model = reshape_embeddings(model, original)
-        folder.mkdir(parents=True, exist_ok=True)
         for i in mine:
-            write_atomic(
-                files[i], partial(_save, create_embeddings(model, chunks[i], how.device, original.pad_token_id or 0))
-            )
+            vectors = create_embeddings(model, chunks[i], how.device, original.pad_token_id or 0)
+            with staged_folder(shards[i]) as staging:
+                np.save(staging / TOKEN_VECTORS, vectors)
         del model
-    return tokenizer_model, lambda: np.concatenate([np.load(file) for file in files])
+    return tokenizer_model, lambda: np.concatenate([np.load(shard / TOKEN_VECTORS) for shard in shards])
 
 
 def surface_forms(tokenizer: Any, tokens: list[str]) -> list[str]:
@@ -229,11 +237,6 @@ def surface_forms(tokenizer: Any, tokens: list[str]) -> list[str]:
         return decoded.strip() or token
 
     return [text(token) for token in tokens]
-
-
-def _save(array: np.ndarray, path: Path) -> None:
-    with path.open("wb") as handle:  # np.save given a name would add ".npy" to it
-        np.save(handle, array)
 
 
 def static_model(path: str, tokenizer_model: Any, vectors: np.ndarray, dim: int) -> Any:
