@@ -98,8 +98,8 @@ def calibrate(config: Config, models: Models, measured: list[TextList], again: b
 
 def _busy() -> str | None:
     """Whether other work holds this CPU's cores, so that rates timed now come out slow: the 1-minute load average at
-    half the cores or more (None: idle enough, or no load average on this platform). A plan timed beside a training
-    run here kept rates 3x too slow; such rates serve the plan that timed them and are not kept."""
+    half the cores or more (None: idle enough, or no load average on this platform). Timed beside a training run on 2
+    cores, the rates come out up to 3x too slow; such rates serve the plan that timed them and are not kept."""
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
