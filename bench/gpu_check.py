@@ -277,6 +277,7 @@ def check_resume(models: dict[str, Path], data: dict[str, Path], work: Path, qui
         checkpoints_total_limit=100,
         skip_phase2=True,
         eval_data="none",
+        efficiency_texts=0,  # the e2e checks run the cost stage
         mixed_precision="bf16" if cuda() else "no",
     )
     try:
@@ -305,7 +306,7 @@ def check_nan(models: dict[str, Path], data: dict[str, Path], work: Path, quick:
     """A NaN loss at the 5th step: exit code 3, and the checkpoint left holds a clean run's step-4 weights."""
     from distill.phases import AlignmentPhase
 
-    options = dict(skip_phase2=True, eval_data="none", checkpoints_total_limit=100)
+    options = dict(skip_phase2=True, eval_data="none", checkpoints_total_limit=100, efficiency_texts=0)
     options["mixed_precision"] = "bf16" if cuda() else "no"
     clean, poisoned = work / "nan-clean", work / "nan-poisoned"
     if train(run_flags(models, data, clean, quick, checkpoint_steps=4, **options)) != 0:

@@ -298,6 +298,9 @@ def tiny_run_flags(tiny_models: dict[str, Path], tiny_data: dict[str, Path], out
         "teacher_cache_dir": out / "cache",
         "seed": 7,
         "export_onnx": "false",  # the ONNX forms: tests/test_forms.py, and the MiniLM run in tests/test_train.py
+        # the cost stage times each model for a second or more (distill/stages/cost.py): the tests of its figures
+        # (tests/test_efficiency.py, and the runs here that check results.json's efficiency block) turn it on
+        "efficiency_texts": 0,
     }
     flags.update(overrides)
     argv = []
