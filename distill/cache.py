@@ -1,10 +1,12 @@
 """The teacher cache's upkeep: what is in it, and what no run can use again removed (distill/store.py writes it).
 
-It reads the layout distill/store.py writes (entries, staging folders, locks), and the entries under `data/` and
-`tokens/` that distill/data/kept.py and distill/tokens.py keep beside it (a corpus's cleaned texts and its token
-ids, made again by the next run that needs them). A run that reads an entry refreshes its manifest's (or
-fields.json's) modification time, which is what `prune --unused_days` goes by. How the key is made and
-the vectors computed is the teacher stage's business (distill/stages/targets.py).
+It reads the layout distill/store.py writes (entries, staging folders, locks), and what other stages keep beside
+it, each made again by the next run that needs it: the entries under `data/` and `tokens/` (distill/data/kept.py,
+distill/tokens.py: a corpus's cleaned texts and its token ids), a static student's tables and token vectors
+(`static-*`, distill/students/static.py), and the streamed copies of vectors files under `files/`
+(distill/teachers/vectors.py). A run that reads an entry refreshes the modification time of one of its files,
+which is what `prune --unused_days` goes by. How the key is made and the vectors computed is the teacher stage's
+business (distill/stages/targets.py).
 
     python -m distill.cache list  [--teacher_cache_dir DIR | --config FILE]
     python -m distill.cache prune [--teacher_cache_dir DIR | --config FILE] [--unused_days N] [--dry_run]
@@ -64,15 +66,45 @@ class CacheItem:
 
 
 AREAS = ("data", "tokens")  # sub-folders of kept data (distill/data/kept.py) and token ids (distill/tokens.py)
+# Sealed folders named by what they hold, not by a key of 32 hex digits, each beside the staging (`.tmp-`) and
+# moved-aside (`.stale-`) folders distill/files.py names after them: a vectors file's streamed copy under files/
+# (distill/teachers/vectors.py), and a static student's tables and its blocks of token vectors, which sit in the
+# cache folder itself (distill/students/static.py).
+FILES = "files"
+STATIC_TABLE = re.compile(r"static-[0-9a-f]{16}-\d+")
+STATIC_TOKENS = "static-*-tokens"
+ASIDE = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|stale)-(?P<rest>.+)")
 
 
 def scan(cache_dir: Path) -> list[CacheItem]:
-    """Every entry, staging folder and lock file directly under `cache_dir` and its data and token folders;
-    other files are not ours."""
+    """Every entry, staging folder and lock file directly under `cache_dir` and its data and token folders, and
+    the sealed folders of the static student and the vectors files; other files are not ours."""
     items = scan_folder(cache_dir)
     for area in AREAS:
         if (cache_dir / area).is_dir():
             items += scan_folder(cache_dir / area, area)
+    items += scan_sealed(cache_dir, "static", STATIC_TABLE)
+    for tokens in sorted(p for p in cache_dir.glob(STATIC_TOKENS) if p.is_dir()):
+        items += scan_sealed(tokens, "static")
+    if (cache_dir / FILES).is_dir():
+        items += scan_sealed(cache_dir / FILES, FILES)
+    return items
+
+
+def scan_sealed(folder: Path, role: str, names: re.Pattern | None = None) -> list[CacheItem]:
+    """The sealed folders in `folder` (whole or corrupt, by distill/files.py `check`) and the staging and
+    moved-aside folders named after them; with `names`, only those whose name it matches."""
+    items = []
+    for path in sorted(folder.iterdir()):
+        aside = ASIDE.fullmatch(path.name)
+        if aside is not None and (names is None or names.fullmatch(aside["name"])):
+            tail = STAGING_TAIL.fullmatch(aside["rest"])
+            host, pid = (tail["host"], int(tail["pid"])) if tail else ("", None)
+            info = {"role": role}
+            items.append(CacheItem(path, aside["name"], aside["kind"], host, pid, info=info, **_size_and_time(path)))
+        elif not path.name.startswith(".") and path.is_dir() and (names is None or names.fullmatch(path.name)):
+            kind = "entry" if check(path) is None else "corrupt"
+            items.append(CacheItem(path, path.name, kind, info={"role": role}, **_size_and_time(path)))
     return items
 
 
@@ -237,9 +269,9 @@ def list_cache(cache_dir: Path, now: float | None = None) -> str:
     header = ["KEY", "STATE", "TEACHER", "ROLE", "TEXTS", "DIM", "SIZE", "LAST USED"]
     rows = [describe(item, now) for item in items]
     entries = [i for i in items if i.kind == "entry"]
-    sizes = dict.fromkeys(("teacher", *AREAS), 0)
+    sizes = dict.fromkeys(("teacher", *AREAS, "static", FILES), 0)
     for entry in entries:
-        sizes[entry.info["role"] if entry.info.get("role") in AREAS else "teacher"] += entry.bytes
+        sizes[entry.info["role"] if entry.info.get("role") in sizes else "teacher"] += entry.bytes
     parts = ", ".join(f"{human_bytes(size)} {name}" for name, size in sizes.items() if size)
     summary = (
         f"{cache_dir}: {len(entries)} entries ({parts or '0 B'}), "

@@ -20,6 +20,7 @@ from distill import cache, tokens
 from distill.cache import human_bytes, list_cache, main, prune
 from distill.config import DataConfig
 from distill.data import prepared_data
+from distill.files import seal
 from distill.store import claim, read_entry
 
 HOST = socket.gethostname()
@@ -304,3 +305,45 @@ def test_kept_data_and_token_ids_are_listed_and_pruned_by_last_use(tmp_path: Pat
     assert not data_entry.exists() and not stopped.exists() and tokens_entry.exists()
     assert any(line.startswith(f"removed {data_entry} (") and "unused for 40.0 days" in line for line in lines)
     assert prepared_data(config, 1, True, False, cache_dir / "data").phase1_texts[3] == "text 3"  # made again
+
+
+def sealed(folder: Path, age_days: float = 0.0) -> Path:
+    """A sealed folder (distill/files.py), as a static student's table or token block or a vectors file's copy."""
+    folder.mkdir(parents=True)
+    np.save(folder / "vectors.npy", np.ones((8, 4), dtype=np.float32))
+    seal(folder)
+    age(folder, age_days)
+    return folder
+
+
+def test_prune_sees_the_static_students_and_the_vectors_files_folders(tmp_path: Path) -> None:
+    """A static student's tables and token blocks and a vectors file's streamed copy are sealed folders: a staging
+    folder of a process that is gone goes, a torn one goes, a whole one only by age; a live process's stays."""
+    tokens = tmp_path / "static-0123456789abcdef-tokens"
+    table = sealed(tmp_path / "static-0123456789abcdef-256", age_days=40)
+    block = sealed(tokens / "00000-0123456789ab", age_days=40)
+    copy = sealed(tmp_path / "files" / "teacher-vectors-0123456789abcdef", age_days=2)
+    torn = sealed(tokens / "00001-0123456789ab")
+    (torn / "vectors.npy").write_bytes(b"\0" * 16)
+    dead, live = dead_pid(), os.getpid()
+    staging = {
+        "table": tmp_path / f".static-0123456789abcdef-64.tmp-{HOST}-{dead}-0123abcd",
+        "block": tokens / f".00002-0123456789ab.tmp-{HOST}-{dead}-0123abcd",
+        "copy": tmp_path / "files" / f".teacher-vectors-fedcba9876543210.tmp-{HOST}-{dead}-0123abcd",
+        "live": tokens / f".00003-0123456789ab.tmp-{HOST}-{live}-0123abcd",
+    }
+    for folder in staging.values():
+        folder.mkdir()
+        (folder / "vectors.npy").write_bytes(b"\0" * 1000)
+    rows = {line.split()[0]: line for line in list_cache(tmp_path).splitlines()[1:-1]}
+    assert rows[table.name].split()[1:3] == ["entry", "static"] and rows[copy.name].split()[1:3] == ["entry", "files"]
+    assert rows[torn.name].split()[1] == "corrupt"
+    assert list_cache(tmp_path).splitlines()[-1].startswith(f"{tmp_path}: 3 entries (")
+
+    lines = prune(tmp_path)
+    assert sorted(line.split()[1] for line in lines[:-1]) == sorted(
+        str(p) for p in (torn, staging["table"], staging["block"], staging["copy"])
+    )
+    assert all(p.exists() for p in (table, block, copy, staging["live"]))
+    prune(tmp_path, unused_days=30)
+    assert not table.exists() and not block.exists() and copy.exists()

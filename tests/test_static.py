@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from conftest import sentences, tiny_run_flags
+from distill.cache import prune
 from distill.config import load_config
 from distill.errors import DistillError
 from distill.students import kind_of
@@ -87,6 +89,16 @@ def test_token_vectors_split_over_processes_give_model2vecs_own_table(tiny_model
     monkeypatch.setattr("transformers.AutoModel.from_pretrained", no_model)
     again = static.distilled_embedding(teacher, 16, tmp_path)
     np.testing.assert_array_equal(again.embedding.weight.detach().numpy(), ours.embedding.weight.detach().numpy())
+
+    # a run that loads the kept table marks it used, which is what `python -m distill.cache prune --unused_days`
+    # goes by; the token files, read only to build a table, age from that build
+    table = next(tmp_path.glob("static-*-16"))
+    month_ago = time.time() - 40 * 86400
+    for path in [table, *table.rglob("*"), *tokens.rglob("*")]:
+        os.utime(path, (month_ago, month_ago))
+    static.distilled_embedding(teacher, 16, tmp_path)
+    old = [line.split()[2] for line in prune(tmp_path, unused_days=30, dry_run=True)[:-1]]
+    assert old and str(table) not in old and all(Path(path).parent == tokens for path in old)
 
 
 def test_a_torn_file_of_token_vectors_is_computed_again(tiny_models, tmp_path, monkeypatch, caplog) -> None:

@@ -37,7 +37,7 @@ import torch
 
 from distill.config.constraints import Scope
 from distill.errors import DistillError
-from distill.files import check, staged_folder
+from distill.files import CONTENTS, check, mark_used, staged_folder
 from distill.hub import ModelShape, config_folder, model_fingerprint, resolve_model, tokenizer_of
 from distill.students.kinds import ExtraFolder, LoadContext, StudentDescription, StudentFigures, StudentKind
 from distill.tokens import TokenizedTexts
@@ -168,6 +168,7 @@ def distilled_embedding(source: str, dim: int, cache_dir: Path, how: Distilling 
             with staged_folder(kept) as staging:  # whole or not at all; another machine's whole copy stays
                 static_model(path, tokenizer_model, vectors(), dim).save_pretrained(str(staging))
         how.wait()
+    mark_used(kept / CONTENTS)  # for `python -m distill.cache prune --unused_days`
     model = model2vec.StaticModel.from_pretrained(str(kept), force_download=False)
     return StaticEmbedding(model.tokenizer, embedding_weights=np.asarray(model.embedding), base_model=source)
 
@@ -210,6 +211,8 @@ def token_vectors(path: str, folder: Path, how: Distilling = Distilling()) -> tu
             logger.warning(f"static token vectors {shards[i]} are {problem}; computing them again")
         if problem is not None:
             mine.append(i)
+        else:
+            mark_used(shards[i] / CONTENTS)
     if mine:
         from skeletoken.external.transformers import reshape_embeddings
         from transformers import AutoModel

@@ -32,7 +32,7 @@ from distill.data.containers import pick
 from distill.data.reading import pick_column
 from distill.distributed import writes_for_this_machine
 from distill.errors import DistillError
-from distill.files import check, drop_pages, staged_folder, text_digests
+from distill.files import CONTENTS, check, drop_pages, mark_used, staged_folder, text_digests
 from distill.store import Role
 from distill.teachers.sources import Caches, Encoder, Source
 
@@ -263,6 +263,7 @@ def streamed_copy(path: Path, workdir: Path | None = None) -> Path:
     root = workdir or Path(tempfile.gettempdir()) / "distill-vectors"
     folder = root / f"{path.stem}-{key[:16]}"
     if check(folder) is None:  # whole: every file at its size and checksum
+        mark_used(folder / CONTENTS)  # for `python -m distill.cache prune --unused_days`
         return folder
     with staged_folder(folder) as staging:
         (_stream_parquet if path.suffix == ".parquet" else _stream_jsonl)(path, staging)
