@@ -300,6 +300,10 @@ def prune(
                 continue
         freed += item.bytes
         lines.append(f"{'would remove' if dry_run else 'removed'} {item.path} ({human_bytes(item.bytes)}): {reason}")
+    if not dry_run:  # a static student's token folder left empty; a run that stages a block in it makes it again
+        for tokens in cache_dir.glob(STATIC_TOKENS):
+            with contextlib.suppress(OSError):  # not empty (a run is writing into it), or not ours to remove
+                tokens.rmdir()
     lines.append(f"{'would free' if dry_run else 'freed'} {human_bytes(freed)} in {cache_dir}")
     return lines
 

@@ -347,3 +347,7 @@ def test_prune_sees_the_static_students_and_the_vectors_files_folders(tmp_path: 
     assert all(p.exists() for p in (table, block, copy, staging["live"]))
     prune(tmp_path, unused_days=30)
     assert not table.exists() and not block.exists() and copy.exists()
+    assert tokens.is_dir()  # a live process is still staging a block in it
+    shutil.rmtree(staging["live"])
+    prune(tmp_path)
+    assert not tokens.exists()  # left empty: removed with its last block
