@@ -42,6 +42,12 @@ from distill.store import CACHE_FORMAT, KEY, STAGED, claim, lock_file, lock_held
 STAGING_TAIL = re.compile(r"(?P<host>.+)-(?P<pid>\d+)(?:-[0-9a-f]{8})?")  # <host>-<pid>[-<random>]
 
 
+def staging_owner(rest: str) -> tuple[str, int | None]:
+    """The host and pid a staging folder's name ends with (`<host>-<pid>[-<random>]`); ("", None) if it names none."""
+    tail = STAGING_TAIL.fullmatch(rest)
+    return (tail["host"], int(tail["pid"])) if tail else ("", None)
+
+
 @dataclass
 class CacheItem:
     """One thing in a cache folder: an entry, a staging folder, or a lock file."""
@@ -71,6 +77,7 @@ AREAS = ("data", "tokens")  # sub-folders of kept data (distill/data/kept.py) an
 # (distill/teachers/vectors.py), and a static student's tables and its blocks of token vectors, which sit in the
 # cache folder itself (distill/students/static.py).
 FILES = "files"
+STATIC = "static"
 STATIC_TABLE = re.compile(r"static-[0-9a-f]{16}-\d+")
 STATIC_TOKENS = "static-*-tokens"
 ASIDE = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|stale)-(?P<rest>.+)")
@@ -83,9 +90,9 @@ def scan(cache_dir: Path) -> list[CacheItem]:
     for area in AREAS:
         if (cache_dir / area).is_dir():
             items += scan_folder(cache_dir / area, area)
-    items += scan_sealed(cache_dir, "static", STATIC_TABLE)
+    items += scan_sealed(cache_dir, STATIC, STATIC_TABLE)
     for tokens in sorted(p for p in cache_dir.glob(STATIC_TOKENS) if p.is_dir()):
-        items += scan_sealed(tokens, "static")
+        items += scan_sealed(tokens, STATIC)
     if (cache_dir / FILES).is_dir():
         items += scan_sealed(cache_dir / FILES, FILES)
     return items
@@ -98,8 +105,7 @@ def scan_sealed(folder: Path, role: str, names: re.Pattern | None = None) -> lis
     for path in sorted(folder.iterdir()):
         aside = ASIDE.fullmatch(path.name)
         if aside is not None and (names is None or names.fullmatch(aside["name"])):
-            tail = STAGING_TAIL.fullmatch(aside["rest"])
-            host, pid = (tail["host"], int(tail["pid"])) if tail else ("", None)
+            host, pid = staging_owner(aside["rest"])
             info = {"role": role}
             items.append(CacheItem(path, aside["name"], aside["kind"], host, pid, info=info, **_size_and_time(path)))
         elif not path.name.startswith(".") and path.is_dir() and (names is None or names.fullmatch(path.name)):
@@ -129,9 +135,8 @@ def scan_folder(folder: Path, area: str = "") -> list[CacheItem]:
         elif staged:
             kind, rest = staged["kind"], staged["rest"] or ""
             host, pid = "", None  # a partial or lock: its lock is taken through the folder, from any host
-            tail = STAGING_TAIL.fullmatch(rest)
             if kind in ("tmp", "stale"):
-                host, pid = (tail["host"], int(tail["pid"])) if tail else ("", None)
+                host, pid = staging_owner(rest)
             elif rest:  # `.partial-<host>`, `.lock-<host>`: an earlier distill's, never resumed now
                 host = rest
             progress = read_json_or_empty(path / "progress.json") if kind == "partial" else {}
@@ -269,7 +274,7 @@ def list_cache(cache_dir: Path, now: float | None = None) -> str:
     header = ["KEY", "STATE", "TEACHER", "ROLE", "TEXTS", "DIM", "SIZE", "LAST USED"]
     rows = [describe(item, now) for item in items]
     entries = [i for i in items if i.kind == "entry"]
-    sizes = dict.fromkeys(("teacher", *AREAS, "static", FILES), 0)
+    sizes = dict.fromkeys(("teacher", *AREAS, STATIC, FILES), 0)
     for entry in entries:
         sizes[entry.info["role"] if entry.info.get("role") in sizes else "teacher"] += entry.bytes
     parts = ", ".join(f"{human_bytes(size)} {name}" for name, size in sizes.items() if size)
