@@ -910,6 +910,27 @@ def test_fp16_is_refused_on_a_cpu_whether_from_the_flag_or_from_accelerate_launc
     assert accelerator.mixed_precision == "no"
 
 
+def test_the_evaluation_encodes_in_float32_under_a_bf16_run(tiny_models):
+    """A prepared model's forward runs in the run's bf16 autocast (Accelerate wraps it); the evaluation scores the
+    float32 vectors the exported model's `encode` gives, and the fitting encodes under the run's precision."""
+    from accelerate import Accelerator
+
+    from distill.stages.initialise import encode_student
+    from distill.students.head import DistillationModel
+    from distill.students.transformer import load_student
+    from distill.tokens import TokenizedTexts
+
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    model = accelerator.prepare(DistillationModel(load_student(str(tiny_models["student"]))))
+    texts = ["a first text", "the second text is a little longer", "three"]
+    tokens = TokenizedTexts(model.student.tokenizer, texts, model.student.max_seq_length)
+    expected = model.student.encode(texts, batch_size=2)  # sentence-transformers' own encode, in float32
+    evaluated = encode_student(accelerator, model, tokens, batch_size=2, float32=True)[1]
+    np.testing.assert_allclose(evaluated, expected, atol=1e-6)
+    fitted = encode_student(accelerator, model, tokens, batch_size=2)[1]
+    assert np.abs(fitted - expected).max() > 1e-5  # bf16 rounds the inputs of every matrix product
+
+
 def test_torch_compile_resumes_an_eager_checkpoint_and_trains_as_eager(
     tiny_models, tiny_data, eager_run, tmp_path, monkeypatch
 ):

@@ -7,6 +7,7 @@ or the rotation and the teacher's PCA basis (Matryoshka mode) on a sample of the
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -130,16 +131,25 @@ def phase_bases(
 
 
 def encode_student(
-    accelerator: Accelerator, model: DistillationModel, texts: TokenizedTexts, batch_size: int
+    accelerator: Accelerator,
+    model: DistillationModel,
+    texts: TokenizedTexts,
+    batch_size: int,
+    float32: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(student-space, target-space) vectors of `texts`, computed sharded across processes."""
+    """(student-space, target-space) vectors of `texts`, computed sharded across processes; under the run's mixed
+    precision, or in float32 (`float32`), as the exported model's `encode` computes them."""
     model.eval()
     device = accelerator.device
+    # `prepare` wraps the instance's forward in the run's autocast (Accelerate's mixed precision); the class's
+    # forward is the model without it
+    forward = partial(type(model).forward, model) if float32 else model
+    precision = nullcontext if float32 else accelerator.autocast
 
     def encode(indices: list[int]) -> torch.Tensor:
         features = send_to_device(texts.features(indices), device)  # ints (FlatTexts' longest text) stay
-        with torch.no_grad(), accelerator.autocast():
-            student, target = model(features)[0]
+        with torch.no_grad(), precision():
+            student, target = forward(features)[0]
         return torch.cat([student.float(), target.float()], dim=1)
 
     hint = f"lower --max_seq_length (the student reads up to {texts.max_length} tokens)"

@@ -52,10 +52,11 @@ def evaluate_student(
     batch_size: int,
     matryoshka_dims: list[int] | None,
 ) -> dict[str, object]:
-    """Metrics of what the exported model's `encode` returns, plus the student's own space where it differs."""
+    """Metrics of what the exported model's `encode` returns (in float32, whatever the run's mixed precision), plus
+    the student's own space where it differs."""
     was_training = model.training
     encoded = {
-        name: encode_student(accelerator, model, texts, batch_size)
+        name: encode_student(accelerator, model, texts, batch_size, float32=True)
         for name, texts in (("queries", inputs.queries), ("corpus", inputs.corpus), ("sts", inputs.sts))
         if texts is not None
     }
