@@ -44,12 +44,12 @@ from accelerate.utils import (
     TorchDynamoPlugin,
     broadcast_object_list,
     gather_object,
-    parse_flag_from_env,
 )
 from tqdm.auto import tqdm
 
 from distill.config.schema import Config
 from distill.errors import DistillError, first_sentences
+from distill.precision import training_precision, trains_on_cuda
 from distill.tracking import resolve_trackers
 
 T = TypeVar("T")
@@ -249,7 +249,7 @@ def join_group_of_this_attempt(timeout: timedelta) -> bool:
         return False
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False, timeout=timeout)
     attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    use_cuda = torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU")  # Accelerate's own rule
+    use_cuda = trains_on_cuda()
     if use_cuda:
         torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
     dist.init_process_group(
@@ -268,7 +268,7 @@ def make_accelerator(config: Config, resuming: bool = False) -> Accelerator:
     `resuming`: the run continues an earlier one, so the trackers append to its logs.
     """
     t, performance = config.training, config.performance
-    check_precision(performance.mixed_precision)
+    precision = training_precision(performance.mixed_precision)
     world = world_size()
     if world > 1 and not torch.cuda.is_available():
         # Launched as several processes on a machine without CUDA: without this, accelerate (1.x) makes each
@@ -289,7 +289,7 @@ def make_accelerator(config: Config, resuming: bool = False) -> Accelerator:
     return Accelerator(
         log_with=resolve_trackers(names, config.output.output_dir, resuming) or None,
         project_dir=config.output.output_dir,
-        mixed_precision=performance.mixed_precision,
+        mixed_precision=precision,
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         # global batches, split over processes; on a GPU copied from pinned memory while the host runs on
         dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=torch.cuda.is_available()),
@@ -297,20 +297,6 @@ def make_accelerator(config: Config, resuming: bool = False) -> Accelerator:
         # without --torch_compile, None: the dynamo settings of the accelerate config, if any
         dynamo_plugin=compile_plugin() if performance.torch_compile else None,
     )
-
-
-def check_precision(mixed_precision: str | None) -> None:
-    """fp16 needs CUDA, whether the flag or the launcher asks for it."""
-    # without the flag, the precision `accelerate launch` passes on (its --mixed_precision or its config file)
-    from_launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
-    if (mixed_precision or from_launcher) == "fp16" and not torch.cuda.is_available():
-        if mixed_precision:
-            raise DistillError("mixed_precision fp16 needs a CUDA GPU; use bf16 or no on a CPU")
-        # Accelerate would take it and train in float32 without a word
-        raise DistillError(
-            "mixed_precision fp16 (from accelerate launch: its --mixed_precision or the accelerate config) needs a "
-            "CUDA GPU; pass --mixed_precision bf16 or no, or set mixed_precision to bf16 or no in the accelerate config"
-        )
 
 
 def compile_plugin() -> TorchDynamoPlugin:

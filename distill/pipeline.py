@@ -44,6 +44,7 @@ from distill.files import folder_bytes
 from distill.loop import train_phase, training_memory_message
 from distill.metrics import score
 from distill.phases import Phase, PhaseSettings, check_phase_sizes, make_phases, phase_settings
+from distill.precision import log_auto_precision
 from distill.report import check_output_dir, prepare_output_dir, release_output_dir, results_table, write_results
 from distill.results import PhaseFigures, RunResults
 from distill.signals import PREEMPTION, agreed_stop
@@ -236,6 +237,7 @@ def start(config: Config) -> tuple[Accelerator, Resume]:
     """The Accelerator, the seed, a usable output folder, and where the run starts: afresh or from a checkpoint."""
     continues = resume_requested(config)  # the trackers append to the run's logs, the output folder holds them
     accelerator = make_accelerator(config, continues)
+    log_auto_precision(accelerator, config.performance.mixed_precision)
     set_seed(config.training.seed)
     check_output_dir(accelerator, config.output.output_dir, fresh=not continues)
     return accelerator, Resume.find(accelerator, config)
@@ -265,6 +267,7 @@ def evaluate_baseline(
     results.mode = results.mode or ("projection" if model.projection is not None else "matryoshka")
     results.world_size = accelerator.num_processes
     results.heap_allocator = heap_allocator()
+    results.mixed_precision = accelerator.mixed_precision
     path = getattr(model.student, "attention_path", None)  # a transformer's; other kinds have no attention to choose
     results.attention = path.to_dict() if path is not None else None
     if accelerator.device.type == "cpu" and results.heap_allocator == "glibc":

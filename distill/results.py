@@ -42,6 +42,7 @@ class RunResults:
     mode: str = ""  # "projection" or "matryoshka"
     world_size: int = 1
     heap_allocator: str = ""
+    mixed_precision: str = ""  # what the student trained in: "no", "bf16" or "fp16" (`auto` resolved)
     capped: dict[str, int] | None = None  # the caps the data reached (--max_samples_phase1/2 -> the cap)
     reranker: dict[str, Any] | None = None  # phase 2's reranker: its name, the pairs it scored, its seconds, the loss
     attention: dict[str, Any] | None = None  # the student's attention in training: {"unpadded", "reason"}

@@ -135,7 +135,7 @@ def test_unknown_yaml_key_via_build_config() -> None:
         (["--push_to_hub", "a/b/c"], r"push_to_hub: expected a Hub repository id"),
         (["--phase1_lr", "-0.001"], r"phase1_lr: expected a number greater than 0, got -0\.001"),
         (["--phase2_epochs", "0"], r"phase2_epochs: expected a number greater than 0, got 0"),
-        (["--mixed_precision", "fp8"], r"mixed_precision: expected one of no/fp16/bf16, got 'fp8'"),
+        (["--mixed_precision", "fp8"], r"mixed_precision: expected one of no/fp16/bf16/auto, got 'fp8'"),
         (["--lr_scaling", "cubic"], r"lr_scaling: expected one of none/linear/sqrt, got 'cubic'"),
         (["--batch_size", "eight"], r"batch_size: expected int, got 'eight'"),
         (["--seed", "1.5"], r"seed: expected int, got '1\.5'"),
@@ -247,7 +247,7 @@ def test_several_problems_reported_together(tmp_path: Path) -> None:
         "batch_size: expected a number greater than 0",
         "phase1_lr: expected a number greater than 0",
         "phase2_epochs: expected a number greater than 0",
-        "mixed_precision: expected one of no/fp16/bf16, got 'fp32'",
+        "mixed_precision: expected one of no/fp16/bf16/auto, got 'fp32'",
     ):
         assert expected in message
 
@@ -424,7 +424,7 @@ def test_help_lists_every_flag() -> None:
     assert "(default: all). (default:" not in flat  # a help that names its default is not given a second
     assert flat.count("default") >= len(config_module.FLAGS)  # the rest show theirs
     # values named by what they are, not by the flag's last word
-    assert "--max_samples_phase1 N " in flat and "--mixed_precision no|fp16|bf16 " in flat and " WITH" not in flat
+    assert "--max_samples_phase1 N " in flat and "--mixed_precision no|fp16|bf16|auto " in flat and " WITH" not in flat
 
 
 def test_every_leaf_field_has_a_flag_and_help() -> None:

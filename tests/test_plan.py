@@ -226,6 +226,25 @@ def test_a_cpu_plan_times_the_runs_own_work_and_keeps_it_per_processor(tiny_mode
     assert len(json.loads((tmp_path / "out" / "cache" / "cpu-rates.json").read_text())) == 6
 
 
+def test_a_run_in_bf16_is_timed_in_bf16_and_kept_apart(tiny_models, tiny_data, tmp_path, monkeypatch):
+    """`--mixed_precision auto` on a CPU with native bf16 trains in bf16, so the planner times the student's steps
+    under bf16 autocast, under keys of their own; the teacher encodes in float32 either way."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    autocast = []
+    real_autocast = torch.autocast
+    monkeypatch.setattr(torch, "autocast", lambda *a, **k: autocast.append(k["enabled"]) or real_autocast(*a, **k))
+    plans = {}
+    for precision in ("no", "auto"):
+        autocast.clear()
+        config = load_config(tiny_run_flags(tiny_models, tiny_data, tmp_path / "out", mixed_precision=precision))
+        plans[precision] = make_plan(config, device_for("cpu", None, None)).assumptions["rates"]
+        assert set(autocast) == {precision == "auto"}  # every timed forward of the student
+    assert "tokens in bf16" not in plans["no"] and plans["auto"].count("tokens in bf16") == 2  # phase 1 and 2
+    assert "teacher batches" in plans["auto"]  # read back: the float32 teacher's rate is the same work
+    kept = [json.loads(key) for key in json.loads((tmp_path / "out" / "cache" / "cpu-rates.json").read_text())]
+    assert sorted(key.get("precision", "no") for key in kept if key["kind"] == "student") == ["bf16"] * 2 + ["no"] * 2
+
+
 def test_a_torn_rates_file_is_timed_again_and_a_gpu_plan_times_nothing(tiny_models, tiny_data, tmp_path, monkeypatch):
     config = load_config(tiny_run_flags(tiny_models, tiny_data, tmp_path / "out"))
     (tmp_path / "out" / "cache").mkdir(parents=True)

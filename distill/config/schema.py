@@ -30,7 +30,7 @@ from distill.config.constraints import (
     Scope,
 )
 
-MIXED_PRECISIONS = ("no", "fp16", "bf16")
+MIXED_PRECISIONS = ("no", "fp16", "bf16", "auto")
 LR_SCALINGS = ("none", "linear", "sqrt")
 DDP_COMM_HOOKS = ("none", "fp16", "bf16")
 EXPORT_ONNX = ("auto", "true", "false")
@@ -352,7 +352,10 @@ class LossConfig:
 @dataclass
 class PerformanceConfig:
     mixed_precision: str | None = _opt(
-        default=None, choices=MIXED_PRECISIONS, help="no/fp16/bf16 (default: what the accelerate config says)."
+        default=None,
+        choices=MIXED_PRECISIONS,
+        help="no/fp16/bf16 (default: what the accelerate config says); auto: bf16 on a CPU with native bf16 "
+        "instructions (AVX512-BF16 or AMX), no on other CPUs, the accelerate config on a GPU.",
     )
     teacher_batch_size: int | None = _opt(
         check=OPTIONAL_POSITIVE,

@@ -6,7 +6,7 @@ itself, on random weights built from the models' configs (no weights are loaded)
 
 - the student: TIMED_STEPS optimizer steps of each phase it trains, after one warm-up, at the run's batch size and
   the phase's mean lengths (phase 2 forwards its queries, and its passages with any mined negatives): forward,
-  backward, gradient clipping and AdamW's update over every parameter;
+  backward, gradient clipping and AdamW's update over every parameter, in bf16 autocast where the run trains so;
 - the teacher: TIMED_STEPS batches of the run's teacher batch at its texts' mean length, in inference mode, through
   TEACHER_LAYERS of its layers. The layers are alike, so a layer's rate is the model's, and a 7B teacher is timed
   without building it whole.
@@ -84,7 +84,8 @@ def calibrate(config: Config, models: Models, measured: list[TextList], again: b
     for phase, work in _student_work(config, models, measured).items():
         student[phase], fresh = _rate(kept, machine, work, again)
         shapes = " + ".join(f"{texts} x {length}" for texts, length in work["shapes"])
-        (timed if fresh else read).append(f"{TIMED_STEPS} {phase} steps of the student at {shapes} tokens")
+        precision = " in bf16" if work.get("precision") == "bf16" else ""
+        (timed if fresh else read).append(f"{TIMED_STEPS} {phase} steps of the student at {shapes} tokens{precision}")
     busy = _busy() if timed else None
     if timed and busy is None:
         _write(path, kept)
@@ -131,9 +132,14 @@ def _teacher_work(config: Config, models: Models, measured: list[TextList], batc
 
 def _student_work(config: Config, models: Models, measured: list[TextList]) -> dict[str, dict[str, Any]]:
     """Each trained phase's timed step: its (texts, length) forwards."""
+    from distill.precision import resolve_precision
+
     student = models.student
     if not student.layers:
         return {}
+    # the run's precision on this CPU (`auto` resolved here, as the run resolves it); the accelerate config's is not
+    # read, so a run left to it is timed in float32
+    bf16 = resolve_precision(config.performance.mixed_precision) == "bf16"
     lists = {t.name: t for t in measured}
     batch, mined = config.training.batch_size, config.data.mine_hard_negatives
     phases: dict[str, list[tuple[int, TextList | None]]] = {
@@ -157,6 +163,8 @@ def _student_work(config: Config, models: Models, measured: list[TextList]) -> d
             "folder": str(models.student_folder),
             "trust": config.student.trust_remote_code,
         }
+        if bf16:  # a key of its own, so that a float32 rate kept for the same shapes is not read for it
+            work[phase]["precision"] = "bf16"
     return work
 
 
@@ -230,7 +238,8 @@ def time_student(work: dict[str, Any]) -> float:
     def step() -> None:
         loss = 0.0
         for batch in batches:  # mean pooling, normalised, an in-batch similarity: a loss the shape of the run's
-            hidden = model(**batch).last_hidden_state.mean(dim=1)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=work.get("precision") == "bf16"):
+                hidden = model(**batch).last_hidden_state.mean(dim=1).float()
             pooled = torch.nn.functional.normalize(hidden, dim=-1)
             loss = loss + (pooled @ pooled.T).square().mean()
         loss.backward()  # type: ignore[attr-defined]
