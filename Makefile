@@ -46,9 +46,10 @@ demo-reranker: $(ALLOCATOR)
 	$(PRELOAD) $(BIN)/python -m distill.train --config configs/demo_reranker.yaml
 
 # distill's phase 1 vs sentence-transformers' own distillation recipe on the demo, side by side; writes
-# runs/quality/QUALITY.md (~20 min). Phase 2's labels against their peer: bench/label_peer.py (docs/QUALITY.md).
+# runs/quality/QUALITY.md (~20 min), both in float32 as the peer trains for as many seconds as distill did.
+# Phase 2's labels against their peer: bench/label_peer.py (docs/QUALITY.md).
 quality: $(ALLOCATOR)
-	$(PRELOAD) $(BIN)/python bench/quality.py --config configs/demo.yaml --skip_phase2 True
+	$(PRELOAD) $(BIN)/python bench/quality.py --config configs/demo.yaml --skip_phase2 True --mixed_precision no
 
 # Two pytest-xdist workers, one thread each (tests/conftest.py): most tests start processes that spend
 # seconds importing torch and sentence-transformers on one core. TEST_WORKERS=0 runs the suite in one process.
