@@ -35,31 +35,28 @@ def native_bf16_cpu() -> str | None:
     return next((name for name, probe in probes if getattr(torch.cpu, probe, lambda: False)()), None)
 
 
-def resolve_precision(mixed_precision: str | None) -> str | None:
-    """The precision Accelerate is given: `auto` is bf16 on a CPU that computes it natively (the demo's phases train
+def auto_precision() -> tuple[str | None, str]:
+    """What `auto` gives on this machine, and why: bf16 on a CPU that computes it natively (the demo's phases train
     1.32x and 1.40x as fast on a 2-core EPYC, and the student ties float32: docs/QUALITY.md), `no` on other CPUs,
-    and on a GPU what the accelerate config says; any other value stands."""
-    if mixed_precision != "auto":
-        return mixed_precision
+    and on a GPU None, what the accelerate config says."""
     if trains_on_cuda():
-        return None
-    return "bf16" if native_bf16_cpu() else "no"
+        return None, "the accelerate config's; auto decides on CPUs"
+    native = native_bf16_cpu()
+    if native:
+        return "bf16", f"this CPU computes bf16 natively: {native}"
+    return "no", "this CPU has no native bf16 instructions, and emulated bf16 is slower than float32"
+
+
+def resolve_precision(mixed_precision: str | None) -> str | None:
+    """The precision Accelerate is given: `auto` resolved on this machine (`auto_precision`); any other value stands."""
+    return auto_precision()[0] if mixed_precision == "auto" else mixed_precision
 
 
 def log_auto_precision(accelerator: Accelerator, mixed_precision: str | None) -> None:
     """One line on what `auto` chose for this run, and why; nothing for another value."""
     if mixed_precision == "auto":
-        logger.info(f"mixed precision auto: {precision_reason(accelerator)}", main_process_only=True)
-
-
-def precision_reason(accelerator: Accelerator) -> str:
-    """What `auto` chose for this run, and why."""
-    if trains_on_cuda():
-        return f"{accelerator.mixed_precision}, the accelerate config's (auto decides on CPUs)"
-    native = native_bf16_cpu()
-    if native:
-        return f"bf16 (this CPU computes bf16 natively: {native})"
-    return "no (this CPU has no native bf16 instructions, and emulated bf16 is slower than float32)"
+        reason = auto_precision()[1]
+        logger.info(f"mixed precision auto: {accelerator.mixed_precision} ({reason})", main_process_only=True)
 
 
 def training_precision(mixed_precision: str | None) -> str | None:

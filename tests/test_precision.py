@@ -39,13 +39,17 @@ def test_auto_precision_is_bf16_only_on_a_cpu_that_computes_it_natively(
     assert resolve_precision("auto") == ("no" if not cuda else None)
 
 
-def test_the_run_says_what_auto_chose(accelerator, caplog, monkeypatch):
-    """One line for `auto`, naming the precision and why; none for a precision given outright."""
+def test_the_run_says_what_auto_chose(caplog, monkeypatch):
+    """One line for `auto`, naming the precision the Accelerator got and why; none for a precision given outright."""
     import logging
 
-    from distill.precision import log_auto_precision
+    from accelerate import Accelerator
 
+    from distill.precision import log_auto_precision, resolve_precision
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    accelerator = Accelerator(cpu=True, mixed_precision=resolve_precision("auto"))
     with caplog.at_level(logging.INFO, logger="distill"):
         log_auto_precision(accelerator, "no")
         log_auto_precision(accelerator, "auto")
